@@ -1,0 +1,3 @@
+from specforge.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,196 @@
+"""The contracts between the engine and the six kinds of component.
+
+Every shipped or third-party component implements one of the protocols below.  They are plain
+functions from tensors to tensors wherever the maths allows it; state that must live across rounds
+(a scheduler's history, a head's recurrent state) is explicit.
+
+Shapes used throughout:
+
+* ``R`` — requests in the batch, ``G`` — the largest draft block in the batch (γ),
+* ``V`` — vocabulary size, ``d`` — hidden size.
+
+Positions are 1-based in prose (x_1 … x_γ are draft tokens, x_0 is the anchor) and 0-based in
+tensors: ``draft_tokens[r, k]`` is x_{k+1} of request ``r``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from specforge.sampling import SamplingParams
+
+__all__ = [
+    "CalibrationData",
+    "Calibrator",
+    "ConfidenceEstimator",
+    "CorrectionHead",
+    "DraftBlock",
+    "Drafter",
+    "Scheduler",
+    "Verifier",
+    "VerifyOutput",
+]
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """What a drafter hands to the rest of the round for R requests.
+
+    Attributes:
+        tokens: ``[R, G]`` drafted ids x_1..x_G.
+        probs: ``[R, G, V]`` the law each token was *actually* drawn from (warped exactly as the
+            drafter sampled it).  ``None`` means the drafter is deterministic: q is one-hot.
+        lengths: ``[R]`` how many of the G slots are real for each request (≤ G).
+        logits: ``[R, G, V]`` the drafter's raw (pre-warp, post-correction) logits, when it has
+            them; confidence estimators may read them because they are pre-token.
+        hidden: ``[R, G, d]`` the backbone hidden state h_k of each slot, when there is one.
+        anchor: ``[R]`` x_0, the last committed token.
+    """
+
+    tokens: Tensor
+    lengths: Tensor
+    probs: Tensor | None = None
+    logits: Tensor | None = None
+    hidden: Tensor | None = None
+    anchor: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    """Result of verifying one round for R requests.
+
+    The tokens a request commits this round are ``draft_tokens[r, :num_accepted[r]]`` followed by
+    ``next_token[r]`` — the correction after the first rejection, or the bonus token when every
+    verified draft token was accepted.  The engine then applies stop conditions (EOS, stop strings,
+    token limits) to that sequence.
+    """
+
+    num_accepted: Tensor  # [R] int64, 0 ≤ n_r ≤ ℓ_r
+    next_token: Tensor  # [R] int64
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """Accepts a prefix of each request's draft and emits one more token from the target."""
+
+    def verify(
+        self,
+        target_logits: Tensor,
+        draft_tokens: Tensor,
+        draft_probs: Tensor | None,
+        lengths: Tensor,
+        sampling: SamplingParams,
+        uniforms: Tensor,
+    ) -> VerifyOutput:
+        """Verify a batch whose requests check different numbers of tokens.
+
+        Args:
+            target_logits: ``[R, G+1, V]`` raw target logits; row ``j`` is the target's
+                distribution for the token after x_0..x_j (so row ``ℓ_r`` is the bonus row).
+                Rows past ``ℓ_r`` are ignored.
+            draft_tokens: ``[R, G]`` x_1..x_G.
+            draft_probs: ``[R, G, V]`` q, or ``None`` for deterministic (one-hot) drafts.
+            lengths: ``[R]`` ℓ_r, the number of draft tokens to verify (0 ≤ ℓ_r ≤ G).
+            sampling: per-request temperature / top-k / top-p for warping the target.
+            uniforms: ``[R, G+1, 2]`` fresh U[0,1) numbers, one pair per position: ``[..., 0]``
+                decides acceptance, ``[..., 1]`` drives sampling of an emitted token.
+        """
+        ...
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """Chooses how many drafted tokens of each request the target verifies this round."""
+
+    def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
+        """Return ``[R]`` int64 verify lengths ℓ_r with 0 ≤ ℓ_r ≤ available_r.
+
+        Args:
+            confidence: ``[R, G]`` calibrated *pre-token* conditional survival estimates c_k:
+                c_k may depend on x_<k but never on x_k (SPEC §4, causality).
+            available: ``[R]`` number of drafted tokens each request actually has.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class CalibrationData:
+    """Held-out rounds for fitting a calibrator.
+
+    Attributes:
+        confidence: ``[N, G]`` raw conditional confidences c_k of N rounds.
+        accepted: ``[N]`` accepted draft tokens per round (bonus excluded).
+        verified: ``[N]`` verified draft tokens per round; positions past it are unobserved and
+            are left out of every statistic.  Defaults to G (the whole block was verified).
+    """
+
+    confidence: Tensor
+    accepted: Tensor
+    verified: Tensor | None = None
+
+    def verified_lengths(self) -> Tensor:
+        if self.verified is not None:
+            return self.verified
+        n, g = self.confidence.shape
+        return torch.full((n,), g, dtype=torch.long)
+
+
+@runtime_checkable
+class Calibrator(Protocol):
+    """Maps raw confidences to calibrated ones; order-preserving at each position."""
+
+    def fit(self, data: CalibrationData) -> dict[str, Any]:
+        """Fit on held-out rounds; return a report of metrics before and after."""
+        ...
+
+    def apply(self, confidence: Tensor) -> Tensor:
+        """``[..., G]`` raw conditional confidences → calibrated ones, same shape."""
+        ...
+
+    def save(self, path: str) -> None:
+        """Write fitted parameters (safetensors)."""
+        ...
+
+    def load(self, path: str) -> None:
+        """Read parameters written by :meth:`save`."""
+        ...
+
+
+@runtime_checkable
+class ConfidenceEstimator(Protocol):
+    """Estimates c_k = P(x_k accepted | x_<k accepted) before x_k is known."""
+
+    def estimate(self, block: DraftBlock) -> Tensor:
+        """Return ``[R, G]`` values in (0, 1).  May read ``tokens[:, :k]``, ``probs[:, k]``,
+        ``logits[:, k]`` and ``hidden[:, k]`` for position k, never ``tokens[:, k]``."""
+        ...
+
+
+@runtime_checkable
+class CorrectionHead(Protocol):
+    """Sequential (left-to-right) bias on a parallel drafter's logits."""
+
+    def init_state(self, batch: int) -> Any:
+        """Fresh per-block state for ``batch`` requests (``None`` when stateless)."""
+        ...
+
+    def step(
+        self, logits: Tensor, prev_token: Tensor, hidden: Tensor | None, state: Any
+    ) -> tuple[Tensor, Any]:
+        """Bias the ``[R, V]`` logits of slot k given x_{k-1} (``[R]``) and h_k (``[R, d]``)."""
+        ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes a block of draft tokens with the law each was drawn from.
+
+    The engine that drives drafters arrives with the engine issue; until then no drafter ships
+    and a pipeline whose ``drafter`` is ``null`` decodes plainly (autoregressively).
+    """
+
+    gamma: int

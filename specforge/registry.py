@@ -1,0 +1,226 @@
+"""Component registrations: what a plug-in's ``register`` call records, and its validation."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+__all__ = [
+    "KIND_HOOKS",
+    "ComponentKind",
+    "EmptyConfig",
+    "Registration",
+    "RegistrationError",
+    "Registry",
+]
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+
+
+class ComponentKind(str, Enum):
+    """The six component kinds; the value is the pipeline slot that selects one."""
+
+    DRAFTER = "drafter"
+    CORRECTION_HEAD = "correction_head"
+    CONFIDENCE = "confidence"
+    CALIBRATOR = "calibrator"
+    SCHEDULER = "scheduler"
+    VERIFIER = "verifier"
+
+    @property
+    def label(self) -> str:
+        return self.value.replace("_", " ")
+
+
+KIND_HOOKS: dict[ComponentKind, str] = {
+    ComponentKind.DRAFTER: "specforge_register_drafters",
+    ComponentKind.CORRECTION_HEAD: "specforge_register_correction_heads",
+    ComponentKind.CONFIDENCE: "specforge_register_confidence_estimators",
+    ComponentKind.CALIBRATOR: "specforge_register_calibrators",
+    ComponentKind.SCHEDULER: "specforge_register_schedulers",
+    ComponentKind.VERIFIER: "specforge_register_verifiers",
+}
+
+
+class RegistrationError(ValueError):
+    """A ``register`` call that the host refuses (bad name, config model, metadata, duplicate)."""
+
+
+class EmptyConfig(BaseModel):
+    """Config model of components that take no parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- per-kind metadata ------------------------------------------------------------------------
+
+
+class _Meta(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    description: str = ""
+
+
+class DrafterMeta(_Meta):
+    deterministic: bool = False
+    parallel: bool = False
+
+
+class CorrectionHeadMeta(_Meta):
+    trainable: bool = False
+
+
+class ConfidenceMeta(_Meta):
+    pre_token: bool = True
+    trainable: bool = False
+
+
+class CalibratorMeta(_Meta):
+    trainable: bool = False
+
+
+class SchedulerMeta(_Meta):
+    reads: tuple[Literal["confidence", "hardware_profile", "history"], ...] = ()
+
+
+class VerifierMeta(_Meta):
+    lossless: bool
+    greedy_only: bool = False
+
+
+META_MODELS: dict[ComponentKind, type[_Meta]] = {
+    ComponentKind.DRAFTER: DrafterMeta,
+    ComponentKind.CORRECTION_HEAD: CorrectionHeadMeta,
+    ComponentKind.CONFIDENCE: ConfidenceMeta,
+    ComponentKind.CALIBRATOR: CalibratorMeta,
+    ComponentKind.SCHEDULER: SchedulerMeta,
+    ComponentKind.VERIFIER: VerifierMeta,
+}
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One registered component."""
+
+    kind: ComponentKind
+    name: str
+    factory: Callable[[BaseModel], Any]
+    config: type[BaseModel]
+    metadata: _Meta
+    plugin: str  # the plug-in (entry-point or registration) name that registered it
+    package: str  # its distribution, or "<unknown>" for plug-ins registered by hand
+    version: str
+
+    def create(self, config: BaseModel | dict[str, Any] | None = None) -> Any:
+        """Validate ``config`` against the component's model and build the component."""
+        if not isinstance(config, self.config):
+            config = self.config.model_validate(config or {})
+        return self.factory(config)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready description (what ``specforge plugins --json`` prints)."""
+        return {
+            "kind": self.kind.value,
+            "name": self.name,
+            "plugin": self.plugin,
+            "package": self.package,
+            "version": self.version,
+            "metadata": self.metadata.model_dump(mode="json"),
+            "config": self.config.model_json_schema().get("properties", {}),
+        }
+
+
+def _check_config_model(kind: ComponentKind, name: str, config: Any) -> type[BaseModel]:
+    if config is None:
+        return EmptyConfig
+    if not (isinstance(config, type) and issubclass(config, BaseModel)):
+        raise RegistrationError(
+            f"{kind.label} {name!r}: config must be a pydantic BaseModel subclass, got {config!r}"
+        )
+    if config.model_config.get("extra") != "forbid":
+        raise RegistrationError(
+            f"{kind.label} {name!r}: config model {config.__name__} must set extra='forbid' "
+            "so that misspelt keys are reported"
+        )
+    return config
+
+
+def make_registration(
+    kind: ComponentKind,
+    name: Any,
+    factory: Any,
+    config: Any,
+    metadata: dict[str, Any],
+    *,
+    plugin: str,
+    package: str,
+    version: str,
+) -> Registration:
+    """Validate one ``register`` call and turn it into a :class:`Registration`."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise RegistrationError(
+            f"{kind.label} name {name!r} is invalid: use lower-case letters, digits, '-' and '_'"
+        )
+    if not callable(factory):
+        raise RegistrationError(f"{kind.label} {name!r}: factory {factory!r} is not callable")
+    model = _check_config_model(kind, name, config)
+    try:
+        meta = META_MODELS[kind].model_validate(metadata)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '(metadata)'}: {e['msg']}" for e in exc.errors()
+        )
+        valid = ", ".join(META_MODELS[kind].model_fields)
+        raise RegistrationError(
+            f"{kind.label} {name!r}: bad metadata ({problems}); valid keys: {valid}"
+        ) from None
+    return Registration(kind, name, factory, model, meta, plugin, package, version)
+
+
+@dataclass
+class Registry:
+    """All registrations of all kinds, keyed by (kind, name)."""
+
+    _items: dict[ComponentKind, dict[str, Registration]] = field(
+        default_factory=lambda: {k: {} for k in ComponentKind}
+    )
+
+    def add(self, reg: Registration) -> None:
+        existing = self._items[reg.kind].get(reg.name)
+        if existing is not None:
+            raise RegistrationError(
+                f"{reg.kind.label} {reg.name!r} is registered twice: by {existing.package} "
+                f"(plug-in {existing.plugin!r}) and by {reg.package} (plug-in {reg.plugin!r})"
+            )
+        self._items[reg.kind][reg.name] = reg
+
+    def remove_plugin(self, plugin: str) -> None:
+        for items in self._items.values():
+            for name in [n for n, r in items.items() if r.plugin == plugin]:
+                del items[name]
+
+    def get(self, kind: ComponentKind | str, name: str) -> Registration:
+        kind = ComponentKind(kind)
+        try:
+            return self._items[kind][name]
+        except KeyError:
+            raise KeyError(
+                f"unknown {kind.label} {name!r}; registered: {', '.join(self.names(kind)) or '(none)'}"
+            ) from None
+
+    def names(self, kind: ComponentKind | str) -> list[str]:
+        return sorted(self._items[ComponentKind(kind)])
+
+    def of_kind(self, kind: ComponentKind | str) -> dict[str, Registration]:
+        return dict(sorted(self._items[ComponentKind(kind)].items()))
+
+    def __iter__(self) -> Iterator[Registration]:
+        for kind in ComponentKind:
+            yield from self.of_kind(kind).values()
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._items.values())

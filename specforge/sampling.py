@@ -1,0 +1,156 @@
+"""Warping and sampling shared by drafters and verifiers.
+
+Losslessness needs the verifier to see *exactly* the distribution a token was drawn from, so both
+sides warp with the same function.  The order is the one Hugging Face ``generate`` uses:
+temperature, then top-k, then top-p (on the temperature-scaled, top-k-truncated distribution).
+
+* temperature ``T = 0`` means greedy: a one-hot on the first arg-max.
+* ``top_k = 0`` disables top-k; ties at the k-th value are broken by vocabulary index (lower id
+  wins), so exactly k tokens survive.
+* ``top_p = 1`` disables top-p; otherwise the smallest set of highest-probability tokens whose mass
+  reaches ``top_p`` survives (at least one token).  Sorting is stable, so ties are again broken by
+  vocabulary index.
+
+Randomness never comes from a global generator: callers pass uniforms, which the engine draws
+from per-request seeded generators, so a request's output does not depend on its batch-mates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "NonFiniteError",
+    "SamplingParams",
+    "check_logits",
+    "draw_uniforms",
+    "sample_with_uniform",
+    "warp",
+]
+
+
+class NonFiniteError(ValueError):
+    """Raised when logits or probabilities that would be sampled from are not finite."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, one entry per request (all tensors ``[R]``)."""
+
+    temperature: Tensor
+    top_k: Tensor
+    top_p: Tensor
+
+    @classmethod
+    def uniform(
+        cls, batch: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+    ) -> SamplingParams:
+        """The same settings for every request of a batch."""
+        return cls(
+            temperature=torch.full((batch,), float(temperature), dtype=torch.float64),
+            top_k=torch.full((batch,), int(top_k), dtype=torch.long),
+            top_p=torch.full((batch,), float(top_p), dtype=torch.float64),
+        )
+
+    @classmethod
+    def stack(cls, rows: list[tuple[float, int, float]]) -> SamplingParams:
+        """Build from ``(temperature, top_k, top_p)`` per request."""
+        t, k, p = zip(*rows) if rows else ((), (), ())
+        return cls(
+            temperature=torch.tensor(t, dtype=torch.float64),
+            top_k=torch.tensor(k, dtype=torch.long),
+            top_p=torch.tensor(p, dtype=torch.float64),
+        )
+
+    def __len__(self) -> int:
+        return int(self.temperature.shape[0])
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first request with an out-of-range setting."""
+        for name, bad in (
+            ("temperature", ~(self.temperature >= 0) | ~torch.isfinite(self.temperature)),
+            ("top_k", self.top_k < 0),
+            ("top_p", ~((self.top_p > 0) & (self.top_p <= 1))),
+        ):
+            if bool(bad.any()):
+                r = int(bad.nonzero()[0, 0])
+                value = getattr(self, name)[r].item()
+                raise ValueError(f"request {r}: {name}={value} is out of range")
+
+
+def check_logits(logits: Tensor, valid: Tensor | None = None, what: str = "logits") -> None:
+    """Raise :class:`NonFiniteError` naming request and position of the first bad row.
+
+    ``logits`` is ``[R, P, V]``; ``valid`` (``[R, P]`` bool) restricts the check to rows that are
+    actually used.  ``-inf`` entries are allowed (they express masked tokens) but NaN, ``+inf`` and
+    rows without a single finite entry are not.
+    """
+    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
+    bad |= ~torch.isfinite(logits).any(-1)
+    if valid is not None:
+        bad &= valid
+    if bool(bad.any()):
+        r, j = (int(i) for i in bad.nonzero()[0])
+        raise NonFiniteError(f"request {r}, position {j}: {what} are not finite")
+
+
+def warp(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Warped probabilities ``[R, ..., V]`` from raw logits ``[R, ..., V]``.
+
+    Settings are per request (dimension 0) and broadcast over any middle dimensions.  The result is
+    computed in the dtype of ``logits`` (use float64 for exact tests).
+    """
+    shape = logits.shape
+    r, v = shape[0], shape[-1]
+    x = logits.reshape(r, -1, v)
+    dtype = x.dtype
+    t = params.temperature.to(dtype).view(r, 1, 1)
+    k = params.top_k.view(r, 1, 1)
+    top_p = params.top_p.to(dtype).view(r, 1, 1)
+
+    greedy = t <= 0
+    scaled = x / torch.where(greedy, torch.ones_like(t), t)
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    rank = torch.arange(v, device=x.device).view(1, 1, v)
+    keep = (k <= 0) | (rank < k)
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token once the mass strictly before it already reaches top_p; the first always stays.
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep &= (before < top_p) | (rank == 0)
+    sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+    # Greedy rows: everything on the first arg-max (rank 0 of a stable descending sort).
+    sorted_probs = torch.where(greedy, (rank == 0).to(dtype), sorted_probs)
+    probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+    return probs.reshape(shape)
+
+
+def sample_with_uniform(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sample: one id per row of ``probs`` ``[..., V]`` from ``u`` ``[...]`` in [0, 1).
+
+    A token with zero probability is never returned, whatever rounding does to the CDF.
+    """
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[..., -1:]
+    target = u.to(cdf.dtype).unsqueeze(-1) * total
+    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
+    # u*total can round up to total; fall back to the last token that has mass.
+    v = probs.shape[-1]
+    last = v - 1 - torch.argmax(torch.flip((probs > 0).to(torch.int8), dims=[-1]), dim=-1)
+    return torch.minimum(idx, last)
+
+
+def draw_uniforms(generators: list[torch.Generator], positions: int) -> Tensor:
+    """``[R, positions, 2]`` float64 uniforms, each request from its own generator.
+
+    Each request consumes exactly ``2 * positions`` numbers per call, so its stream depends only on
+    its own history, never on which other requests share the batch.
+    """
+    if not generators:
+        return torch.empty(0, positions, 2, dtype=torch.float64)
+    rows = [torch.rand(positions, 2, generator=g, dtype=torch.float64) for g in generators]
+    return torch.stack(rows)
