@@ -34,7 +34,8 @@ class ComponentKind(str, Enum):
 
     @property
     def label(self) -> str:
-        return self.value.replace("_", " ")
+        """Human name used in messages ("correction head", "confidence estimator")."""
+        return "confidence estimator" if self is ComponentKind.CONFIDENCE else self.value.replace("_", " ")
 
 
 KIND_HOOKS: dict[ComponentKind, str] = {

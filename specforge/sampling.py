@@ -26,6 +26,7 @@ __all__ = [
     "NonFiniteError",
     "SamplingParams",
     "check_logits",
+    "check_probs",
     "draw_uniforms",
     "sample_with_uniform",
     "warp",
@@ -90,37 +91,59 @@ def check_logits(logits: Tensor, valid: Tensor | None = None, what: str = "logit
     """
     bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
     bad |= ~torch.isfinite(logits).any(-1)
+    _raise_first(bad, valid, f"{what} are not finite")
+
+
+def check_probs(probs: Tensor, valid: Tensor | None = None, what: str = "probabilities") -> None:
+    """Raise :class:`NonFiniteError` naming request and position of the first bad row.
+
+    ``probs`` is ``[R, P, V]``; a row is bad if it holds NaN, an infinity or a negative entry, or
+    has no mass at all (nothing could have been sampled from it).  ``valid`` (``[R, P]`` bool)
+    restricts the check to rows that are actually used.
+    """
+    bad = ~torch.isfinite(probs).all(-1) | (probs < 0).any(-1) | ~(probs > 0).any(-1)
+    _raise_first(bad, valid, f"{what} must be finite, non-negative and not all zero")
+
+
+def _raise_first(bad: Tensor, valid: Tensor | None, message: str) -> None:
     if valid is not None:
-        bad &= valid
+        bad = bad & valid
     if bool(bad.any()):
         r, j = (int(i) for i in bad.nonzero()[0])
-        raise NonFiniteError(f"request {r}, position {j}: {what} are not finite")
+        raise NonFiniteError(f"request {r}, position {j}: {message}")
 
 
 def warp(logits: Tensor, params: SamplingParams) -> Tensor:
     """Warped probabilities ``[R, ..., V]`` from raw logits ``[R, ..., V]``.
 
     Settings are per request (dimension 0) and broadcast over any middle dimensions.  The result is
-    computed in the dtype of ``logits`` (use float64 for exact tests).
+    computed in the dtype of ``logits`` (use float64 for exact tests).  Every row is warped on its
+    own, so a row of garbage (NaN) yields garbage in that row only and never raises: callers check
+    the rows they use with :func:`check_logits`.
     """
     shape = logits.shape
     r, v = shape[0], shape[-1]
+    if len(params) != r:
+        raise ValueError(f"sampling params describe {len(params)} requests, logits have {r}")
     x = logits.reshape(r, -1, v)
-    dtype = x.dtype
-    t = params.temperature.to(dtype).view(r, 1, 1)
-    k = params.top_k.view(r, 1, 1)
-    top_p = params.top_p.to(dtype).view(r, 1, 1)
+    dtype, device = x.dtype, x.device
+    t = params.temperature.to(device=device, dtype=dtype).view(r, 1, 1)
+    k = params.top_k.to(device).view(r, 1, 1)
+    top_p = params.top_p.to(device=device, dtype=dtype).view(r, 1, 1)
 
     greedy = t <= 0
     scaled = x / torch.where(greedy, torch.ones_like(t), t)
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    rank = torch.arange(v, device=x.device).view(1, 1, v)
+    rank = torch.arange(v, device=device).view(1, 1, v)
     keep = (k <= 0) | (rank < k)
     sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # Drop a token once the mass strictly before it already reaches top_p; the first always stays.
-    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    keep &= (before < top_p) | (rank == 0)
+    # The exclusive prefix sum is built by shifting (not as cumsum - p) so that it is the exact
+    # running sum; top_p >= 1 is tested on its own because that running sum can round up to 1.0
+    # and would then drop tail tokens that "top_p = 1 disables top-p" promises to keep.
+    before = torch.nn.functional.pad(torch.cumsum(sorted_probs, dim=-1)[..., :-1], (1, 0))
+    keep = keep & ((top_p >= 1) | (before < top_p) | (rank == 0))
     sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     # Greedy rows: everything on the first arg-max (rank 0 of a stable descending sort).
@@ -132,11 +155,15 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
 def sample_with_uniform(probs: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF sample: one id per row of ``probs`` ``[..., V]`` from ``u`` ``[...]`` in [0, 1).
 
-    A token with zero probability is never returned, whatever rounding does to the CDF.
+    ``probs`` need not be normalised: the row is sampled in proportion to its entries.  A token
+    with zero probability is never returned, whatever rounding does to the CDF.
     """
-    cdf = torch.cumsum(probs, dim=-1)
+    # Compare in the wider of the two dtypes: casting a float64 uniform down to float32 can round
+    # it up to exactly 1.0, which would pile its mass onto the last token.
+    dtype = torch.promote_types(probs.dtype, u.dtype)
+    cdf = torch.cumsum(probs.to(dtype), dim=-1)
     total = cdf[..., -1:]
-    target = u.to(cdf.dtype).unsqueeze(-1) * total
+    target = u.to(device=cdf.device, dtype=dtype).unsqueeze(-1) * total
     idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
     # u*total can round up to total; fall back to the last token that has mass.
     v = probs.shape[-1]

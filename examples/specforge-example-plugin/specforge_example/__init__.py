@@ -1,0 +1,1 @@
+"""An example specforge plug-in package (see plugin.py)."""

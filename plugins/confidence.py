@@ -1,0 +1,79 @@
+"""Shipped confidence estimators: ``constant`` and ``entropy``.
+
+Both are pre-token (SPEC §4): c_k may use what is known before x_k is drawn — here only the
+drafter's distribution at slot k — and never ``block.tokens[:, k]``.  That is what lets a
+scheduler stop on c_k without biasing which tokens get verified.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from specforge import hookimpl
+from specforge.components import DraftBlock
+
+__all__ = ["ConstantConfidence", "ConstantConfig", "EntropyConfidence", "EntropyConfig"]
+
+
+class ConstantConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    value: float = Field(0.8, gt=0, lt=1, description="c_k for every position")
+
+
+class ConstantConfidence:
+    """The same c_k everywhere: a baseline that carries no per-token information."""
+
+    def __init__(self, config: ConstantConfig | None = None) -> None:
+        self.config = config or ConstantConfig()
+
+    def estimate(self, block: DraftBlock) -> Tensor:
+        return torch.full(tuple(block.tokens.shape), self.config.value,
+                          dtype=torch.get_default_dtype(), device=block.tokens.device)
+
+
+class EntropyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    scale: float = Field(1.0, gt=0, description="c_k = exp(-H_k / scale), H_k in nats")
+    eps: float = Field(1e-6, gt=0, lt=0.5, description="c_k is clamped into [eps, 1 - eps]")
+
+
+class EntropyConfidence:
+    """c_k = exp(−H(q_k)/scale): a peaked draft distribution is more likely to survive.
+
+    H_k is the entropy (nats) of the drafter's distribution at slot k: softmax of
+    ``block.logits`` when the drafter exposes them (the unwarped model belief), otherwise
+    ``block.probs`` (the law x_k was drawn from).  Deterministic drafters that expose neither
+    give no signal, so that is an error rather than a silent constant.
+    """
+
+    def __init__(self, config: EntropyConfig | None = None) -> None:
+        self.config = config or EntropyConfig()
+
+    def estimate(self, block: DraftBlock) -> Tensor:
+        if block.logits is not None:
+            src = block.logits
+            dtype = torch.promote_types(src.dtype, torch.float32)
+            logp = torch.log_softmax(src.to(dtype), dim=-1)
+            p = logp.exp()
+        elif block.probs is not None:
+            src = block.probs
+            dtype = torch.promote_types(src.dtype, torch.float32)
+            p = src.to(dtype)
+            logp = p.log()
+        else:
+            raise ValueError("entropy confidence needs block.logits or block.probs; the drafter gave neither")
+        # 0·log 0 = 0: masked vocabulary entries (−inf logits, zero probability) add nothing.
+        plogp = torch.where(p > 0, p * logp, torch.zeros((), dtype=dtype, device=p.device))
+        entropy = -plogp.sum(-1)
+        eps = self.config.eps
+        return torch.exp(-entropy / self.config.scale).clamp(eps, 1 - eps)
+
+
+@hookimpl
+def specforge_register_confidence_estimators(register):
+    register("constant", ConstantConfidence, config=ConstantConfig, pre_token=True, trainable=False,
+             description="the same confidence at every position")
+    register("entropy", EntropyConfidence, config=EntropyConfig, pre_token=True, trainable=False,
+             description="exp(-entropy of the draft distribution at slot k)")

@@ -1,0 +1,105 @@
+"""Hardware-aware schedulers: ``hw-prefix`` (paper Algorithm 1) and ``async-topk`` (paper §5.2)."""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
+from torch import Tensor
+
+from specforge.hardware import HardwareProfile
+from specforge_plugins.schedulers.admission import admission_path, causal_count, global_count
+
+__all__ = ["AsyncTopKConfig", "AsyncTopKScheduler", "HardwareConfig", "HwPrefixScheduler"]
+
+
+class HardwareConfig(BaseModel):
+    """Where the step curve SPS(B) comes from: inline values or a profile file, exactly one."""
+
+    model_config = ConfigDict(extra="forbid")
+    sps: list[PositiveFloat] | None = Field(
+        default=None, min_length=1, description="SPS(B) for B = 1, 2, ... (inline step curve)"
+    )
+    profile: Path | None = Field(
+        default=None, description="JSON hardware profile written by `specforge profile`"
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> HardwareConfig:
+        if (self.sps is None) == (self.profile is None):
+            raise ValueError("give exactly one of 'sps' (inline SPS(B) list) or 'profile' (JSON file)")
+        return self
+
+    def hardware_profile(self) -> HardwareProfile:
+        if self.sps is not None:
+            return HardwareProfile(self.sps, device="inline")
+        assert self.profile is not None
+        return HardwareProfile.load(self.profile)
+
+
+class HwPrefixScheduler:
+    """Algorithm 1: admit candidates by decreasing survival while Θ = τ·SPS(B) strictly improves.
+
+    The break at the first non-improvement is what keeps it lossless: whether (r, k) is admitted
+    is decided by the path up to (r, k), and every candidate before it on the path has a survival
+    that does not involve c_{r,k+1}, c_{r,k+2}, … — the only quantities x_{r,k} can influence.
+    """
+
+    def __init__(self, config: HardwareConfig) -> None:
+        self.config = config
+        self.profile = config.hardware_profile()
+
+    def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
+        path = admission_path(confidence, available)
+        return path.lengths(causal_count(path.throughput(self.profile)))
+
+
+class AsyncTopKConfig(HardwareConfig):
+    initial_capacity: int | None = Field(
+        default=None,
+        ge=0,
+        description="draft tokens admitted per round before two rounds of history exist; "
+        "null = every available token",
+    )
+
+
+class AsyncTopKScheduler:
+    """The asynchronous scheduler of paper §5.2: a lagged capacity, filled by current rank.
+
+    At call t the capacity K_t (draft tokens to verify, across the batch) is the arg-max of Θ over
+    the *whole* admission path of call t−2 — an unconstrained global search, with no break, so it
+    is not trapped by jagged SPS cliffs.  Call t then admits its own top-K_t candidates by
+    *current* survival (ties by j, then r).  The first two calls, which have no t−2, use
+    ``initial_capacity``.  K_t is computed when call t−2 runs, which is what lets a zero-overhead
+    engine size the batch of step t before step t−1 finishes.
+
+    Why this is causal although the search has no break: K_t depends only on confidences of an
+    earlier round, which precede every draft token of round t.  Given K_t, position k of request r
+    is admitted iff fewer than K_t candidates rank before (r, k); the candidates that rank before
+    it are other requests' positions and r's own positions < k, because r's later positions have
+    survival ≤ a_{r,k} and a larger j.  So nothing x_{r,k} influences (c_{r,k+1}, …) can change the
+    decision, and ranking by a prefix product keeps the admitted set prefix-closed.
+
+    The capacity counts draft tokens, not the flattened batch B = R + K, so it carries over
+    unchanged when requests join or leave between rounds.  Call :meth:`reset` between
+    independent runs.
+    """
+
+    def __init__(self, config: AsyncTopKConfig) -> None:
+        self.config = config
+        self.profile = config.hardware_profile()
+        self._ahead: deque[int] = deque()  # capacities computed by earlier calls, oldest first
+        self.last_capacity: int | None = None  # the K used by the latest call (None = no cap)
+
+    def reset(self) -> None:
+        self._ahead.clear()
+        self.last_capacity = None
+
+    def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
+        path = admission_path(confidence, available)
+        capacity = self._ahead.popleft() if len(self._ahead) == 1 else self.config.initial_capacity
+        self._ahead.append(global_count(path.throughput(self.profile)))
+        self.last_capacity = capacity
+        n = len(path) if capacity is None else min(capacity, len(path))
+        return path.lengths(n)

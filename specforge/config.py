@@ -1,0 +1,283 @@
+"""Pipeline configuration: OmegaConf composes, pydantic validates, once.
+
+A pipeline is YAML like::
+
+    target: {model: smollm2, dtype: bfloat16}
+    sampling: {temperature: 1.0, top_k: 0, top_p: 1.0, seed: 0, max_new_tokens: 128}
+    drafter: null                      # null: plain autoregressive decoding
+    correction_head: {name: none}
+    confidence: {name: constant, value: 0.8}
+    calibrator: {name: identity}
+    scheduler: {name: fixed}
+    verifier: {name: rejection}
+
+Sources are merged left to right (files or named presets shipped in ``specforge/presets``), then
+dot-list overrides (``scheduler.name=threshold scheduler.theta=0.4``).  Each component slot is
+``{name: <registered name>, ...params}`` (or just the name); the named plug-in's own pydantic model
+validates the params.  Every problem is collected and reported in one :class:`ConfigError` that
+names the key path and the valid choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specforge.plugins import PluginHost, get_host
+from specforge.registry import ComponentKind, Registration
+
+__all__ = [
+    "ComponentSpec",
+    "ConfigError",
+    "PipelineConfig",
+    "SamplingConfig",
+    "TargetConfig",
+    "compose",
+    "load_pipeline",
+    "preset_names",
+    "validate_pipeline",
+]
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+# Slots left out of a YAML take these components.  No drafter means plain decoding.
+DEFAULT_COMPONENTS: dict[ComponentKind, str | None] = {
+    ComponentKind.DRAFTER: None,
+    ComponentKind.CORRECTION_HEAD: "none",
+    ComponentKind.CONFIDENCE: "constant",
+    ComponentKind.CALIBRATOR: "identity",
+    ComponentKind.SCHEDULER: "fixed",
+    ComponentKind.VERIFIER: "rejection",
+}
+
+
+class ConfigError(ValueError):
+    """A pipeline config that cannot be used; the message lists every problem found."""
+
+    def __init__(self, problems: list[str], source: str = "") -> None:
+        self.problems = problems
+        where = f" ({source})" if source else ""
+        super().__init__(f"invalid pipeline config{where}:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+class TargetConfig(BaseModel):
+    """The target model."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(
+        "smollm2",
+        description="'smollm2' (the embedded SmolLM2-135M-Instruct), a Hugging Face model "
+        "directory, or a .gguf file",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+
+
+class SamplingConfig(BaseModel):
+    """Default sampling settings of requests (a request may override them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="1 disables top-p")
+    seed: int = 0
+    max_new_tokens: int = Field(128, ge=1)
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """A resolved slot: the registration it names and its validated params."""
+
+    registration: Registration
+    params: BaseModel
+
+    @property
+    def name(self) -> str:
+        return self.registration.name
+
+    def create(self) -> Any:
+        return self.registration.create(self.params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **self.params.model_dump(mode="json")}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """A validated pipeline: target, sampling defaults and one component per slot."""
+
+    target: TargetConfig
+    sampling: SamplingConfig
+    components: dict[ComponentKind, ComponentSpec | None]
+
+    def component(self, kind: ComponentKind | str) -> ComponentSpec | None:
+        return self.components[ComponentKind(kind)]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "target": self.target.model_dump(mode="json"),
+            "sampling": self.sampling.model_dump(mode="json"),
+        }
+        for kind in ComponentKind:
+            spec = self.components[kind]
+            out[kind.value] = None if spec is None else spec.to_dict()
+        return out
+
+    def to_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.create(self.to_dict()))
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the resolved config beside a run's outputs; returns the file written."""
+        path = Path(directory) / "pipeline.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_yaml())
+        return path
+
+
+SECTIONS: dict[str, type[BaseModel]] = {"target": TargetConfig, "sampling": SamplingConfig}
+TOP_LEVEL_KEYS = [*SECTIONS, *(k.value for k in ComponentKind)]
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _resolve_source(source: str) -> Path:
+    path = Path(source)
+    if path.is_file():
+        return path
+    preset = PRESET_DIR / f"{source}.yaml"
+    if "/" not in source and preset.is_file():
+        return preset
+    raise ConfigError(
+        [f"{source}: no such config file or preset; presets: {', '.join(preset_names())}"]
+    )
+
+
+def compose(sources: list[str], overrides: list[str] | None = None) -> dict[str, Any]:
+    """Merge YAML sources and dot-list overrides into one plain dict (no validation)."""
+    layers = []
+    for source in sources:
+        path = _resolve_source(source)
+        try:
+            layer = OmegaConf.load(path)
+        except (OmegaConfBaseException, OSError, ValueError, yaml.YAMLError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError([f"{path}: cannot be read as YAML: {first}"]) from None
+        if not OmegaConf.is_dict(layer):
+            raise ConfigError([f"{path}: the top level must be a mapping"])
+        layers.append(layer)
+    bad = [o for o in overrides or [] if "=" not in o]
+    if bad:
+        raise ConfigError([f"override {o!r} must look like key.path=value" for o in bad])
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
+        merged = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
+        return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise ConfigError([f"cannot merge configs: {exc}".splitlines()[0]]) from None
+
+
+def _pydantic_problems(
+    exc: ValidationError, prefix: str, valid_keys: list[str], owner: str = ""
+) -> list[str]:
+    """One line per pydantic error, with the dotted key path and what would have been valid."""
+    problems = []
+    for err in exc.errors():
+        path = ".".join([prefix, *map(str, err["loc"])]) if err["loc"] else prefix
+        if err["type"] == "extra_forbidden":
+            problems.append(f"{path}: unknown key{owner}; valid keys: {', '.join(valid_keys)}")
+        elif err["type"] == "missing":
+            problems.append(f"{path}: required key is missing")
+        else:
+            problems.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
+    return problems
+
+
+def _resolve_slot(
+    kind: ComponentKind, raw: Any, host: PluginHost, problems: list[str]
+) -> ComponentSpec | None:
+    slot = kind.value
+    if raw is None:
+        if kind is ComponentKind.DRAFTER:
+            return None
+        problems.append(f"{slot}: a {kind.label} is required; registered: {', '.join(host.names(kind))}")
+        return None
+    if isinstance(raw, str):
+        raw = {"name": raw}
+    if not isinstance(raw, dict):
+        problems.append(f"{slot}: expected a mapping {{name: ..., ...params}} or a name, got {raw!r}")
+        return None
+    params = dict(raw)
+    name = params.pop("name", None)
+    names = host.names(kind)
+    if name is None:
+        problems.append(f"{slot}.name: required key is missing; registered {kind.label}s: {', '.join(names) or '(none)'}")
+        return None
+    if name not in names:
+        problems.append(
+            f"{slot}.name: unknown {kind.label} {name!r}; registered {kind.label}s: "
+            f"{', '.join(names) or '(none)'}"
+        )
+        return None
+    reg = host.get(kind, name)
+    try:
+        return ComponentSpec(reg, reg.config.model_validate(params))
+    except ValidationError as exc:
+        valid = ["name", *reg.config.model_fields]
+        problems.extend(_pydantic_problems(exc, slot, valid, f" for {kind.label} {name!r}"))
+        return None
+
+
+def validate_pipeline(
+    raw: dict[str, Any], host: PluginHost | None = None, source: str = ""
+) -> PipelineConfig:
+    """Validate a composed dict against the registry; raise one :class:`ConfigError`."""
+    host = host or get_host()
+    problems: list[str] = []
+    for key in raw:
+        if key not in TOP_LEVEL_KEYS:
+            problems.append(f"{key}: unknown key; valid keys: {', '.join(TOP_LEVEL_KEYS)}")
+    sections: dict[str, BaseModel] = {}
+    for key, model in SECTIONS.items():
+        value = raw.get(key) or {}
+        if not isinstance(value, dict):
+            problems.append(f"{key}: expected a mapping, got {value!r}")
+            continue
+        try:
+            sections[key] = model.model_validate(value)
+        except ValidationError as exc:
+            problems.extend(_pydantic_problems(exc, key, list(model.model_fields)))
+    components: dict[ComponentKind, ComponentSpec | None] = {}
+    for kind in ComponentKind:
+        value = raw.get(kind.value, DEFAULT_COMPONENTS[kind])
+        components[kind] = _resolve_slot(kind, value, host, problems)
+
+    verifier = components.get(ComponentKind.VERIFIER)
+    sampling = sections.get("sampling")
+    if verifier is not None and sampling is not None:
+        if verifier.registration.metadata.greedy_only and sampling.temperature > 0:
+            problems.append(
+                f"verifier.name: {verifier.name!r} is valid only at temperature 0 but "
+                f"sampling.temperature is {sampling.temperature}; use sampling.temperature=0 "
+                "or a sampling verifier (rejection, match)"
+            )
+    if problems:
+        raise ConfigError(problems, source)
+    return PipelineConfig(sections["target"], sections["sampling"], components)  # type: ignore[arg-type]
+
+
+def load_pipeline(
+    sources: list[str] | str = "default",
+    overrides: list[str] | None = None,
+    host: PluginHost | None = None,
+) -> PipelineConfig:
+    """Compose ``sources`` (files or preset names) with ``overrides`` and validate."""
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    raw = compose(sources, overrides)
+    return validate_pipeline(raw, host, source=", ".join(sources))

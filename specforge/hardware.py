@@ -1,0 +1,189 @@
+"""The hardware step curve SPS(B): target verify steps per second at a flattened batch of B tokens.
+
+Hardware-aware schedulers weigh the expected accepted tokens of a round against what the extra
+verified tokens cost, so they need SPS(B) for every B they might form.  A profile stores the
+measured points; between them SPS is piecewise linear, and past the largest measured batch the
+target is assumed compute-bound (time per step grows linearly with B), i.e.
+SPS(B) = SPS(B_max)·B_max / B.  Below the smallest measured batch SPS stays at its value there:
+a step cannot get faster than the smallest batch that was timed.
+
+On disk a profile is one JSON object (``specforge profile`` writes it)::
+
+    {
+      "format": "specforge.hardware_profile",
+      "version": 1,
+      "device": "cpu: 2 cores",                 # free text: where it was measured
+      "target": "SmolLM2-135M-Instruct",        # free text: which target model
+      "points": [[1, 18.2], [2, 18.0], [4, 17.1], [8, 15.9]]   # [B, SPS(B)], B ≥ 1 integer
+    }
+
+``format`` and ``version`` may be omitted when writing by hand; anything else is an error that
+names the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+import torch
+from torch import Tensor
+
+__all__ = ["FORMAT", "VERSION", "HardwareProfile", "HardwareProfileError"]
+
+FORMAT = "specforge.hardware_profile"
+VERSION = 1
+_KEYS = {"format", "version", "device", "target", "points"}
+
+
+class HardwareProfileError(ValueError):
+    """A step curve that cannot be built: bad points, or a profile file with bad content."""
+
+
+class HardwareProfile:
+    """Measured SPS(B) points with lookup between and beyond them.
+
+    Args:
+        points: ``{B: sps}``, or a sequence of sps values where index 0 is B = 1.  Every B is a
+            positive integer and every sps a positive finite number.
+        device: where the points were measured (free text, kept in the JSON file).
+        target: which target model they were measured for (free text).
+    """
+
+    def __init__(
+        self,
+        points: Mapping[int, float] | Sequence[float],
+        *,
+        device: str = "unknown",
+        target: str = "unknown",
+    ) -> None:
+        if isinstance(points, Mapping):
+            pairs = list(points.items())
+        elif isinstance(points, (str, bytes)) or not isinstance(points, Sequence):
+            raise HardwareProfileError(
+                f"SPS points must be a {{B: sps}} mapping or a list of sps values, got {points!r}"
+            )
+        else:
+            pairs = [(i + 1, v) for i, v in enumerate(points)]
+        self._set(pairs, device, target)
+
+    def _set(self, pairs: Sequence[tuple[Any, Any]], device: str, target: str) -> None:
+        if not pairs:
+            raise HardwareProfileError("a hardware profile needs at least one SPS point")
+        clean: dict[int, float] = {}
+        for b, v in pairs:
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise HardwareProfileError(f"batch size {b!r} is not a positive integer")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise HardwareProfileError(f"SPS({b}) = {v!r} is not a positive finite number")
+            if b in clean:
+                raise HardwareProfileError(f"batch size {b} is given twice")
+            clean[b] = float(v)
+        ordered = sorted(clean.items())
+        self.device = str(device)
+        self.target = str(target)
+        self.batch = torch.tensor([b for b, _ in ordered], dtype=torch.float64)
+        self.values = torch.tensor([v for _, v in ordered], dtype=torch.float64)
+
+    # -- lookup ------------------------------------------------------------------------------
+
+    @overload
+    def sps(self, batch: int | float) -> float: ...
+    @overload
+    def sps(self, batch: Tensor) -> Tensor: ...
+
+    def sps(self, batch: int | float | Tensor) -> float | Tensor:
+        """SPS at flattened batch size(s) ``batch``; a tensor gives a float64 tensor of its shape."""
+        if not isinstance(batch, Tensor):
+            return float(self.sps(torch.tensor(float(batch), dtype=torch.float64)))
+        b = batch.to(torch.float64)
+        xs, ys = self.batch.to(b.device), self.values.to(b.device)
+        if len(xs) == 1:
+            inside = ys[0]  # no interior: every B is at, below or beyond the one point
+        else:
+            hi = torch.searchsorted(xs, b.contiguous(), right=True).clamp(1, len(xs) - 1)
+            lo = hi - 1
+            t = (b - xs[lo]) / (xs[hi] - xs[lo])
+            inside = ys[lo] + t * (ys[hi] - ys[lo])
+        out = torch.where(b <= xs[0], ys[0], inside)
+        # Compute-bound tail: step time grows linearly past the largest batch that was measured.
+        tail = ys[-1] * xs[-1] / torch.where(b > xs[-1], b, xs[-1])
+        return torch.where(b > xs[-1], tail, out)
+
+    def points(self) -> list[tuple[int, float]]:
+        """The measured ``(B, sps)`` pairs in increasing B."""
+        return [(int(b), float(v)) for b, v in zip(self.batch.tolist(), self.values.tolist())]
+
+    def __repr__(self) -> str:
+        return f"HardwareProfile({dict(self.points())!r}, device={self.device!r}, target={self.target!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HardwareProfile):
+            return NotImplemented
+        return (self.points(), self.device, self.target) == (other.points(), other.device, other.target)
+
+    # -- JSON --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "device": self.device,
+            "target": self.target,
+            "points": [[b, v] for b, v in self.points()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> HardwareProfile:
+        """Build from the JSON object described in the module docstring."""
+        if not isinstance(data, dict):
+            raise HardwareProfileError(f"expected a JSON object, got {type(data).__name__}")
+        unknown = set(data) - _KEYS
+        if unknown:
+            raise HardwareProfileError(
+                f"unknown key(s) {sorted(unknown)}; valid keys: {sorted(_KEYS)}"
+            )
+        if data.get("format", FORMAT) != FORMAT:
+            raise HardwareProfileError(f"format is {data['format']!r}, expected {FORMAT!r}")
+        if data.get("version", VERSION) != VERSION:
+            raise HardwareProfileError(f"version {data['version']!r} is not supported (expected {VERSION})")
+        if "points" not in data:
+            raise HardwareProfileError('missing "points": a list of [B, sps] pairs')
+        raw = data["points"]
+        if not isinstance(raw, list) or not all(isinstance(p, list) and len(p) == 2 for p in raw):
+            raise HardwareProfileError(f'"points" must be a list of [B, sps] pairs, got {raw!r}')
+        for key in ("device", "target"):
+            if not isinstance(data.get(key, ""), str):
+                raise HardwareProfileError(f'"{key}" must be a string, got {data[key]!r}')
+        # Through _set rather than a dict so that a batch size listed twice is reported.
+        profile = cls.__new__(cls)
+        profile._set(
+            [(b, v) for b, v in raw], data.get("device", "unknown"), data.get("target", "unknown")
+        )
+        return profile
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> HardwareProfile:
+        """Read a profile written by :meth:`save` (or by hand); errors name the file."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"hardware profile {str(path)!r} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise HardwareProfileError(f"hardware profile {str(path)!r} cannot be read: {exc}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise HardwareProfileError(f"hardware profile {str(path)!r} is not valid JSON: {exc}") from None
+        try:
+            return cls.from_dict(data)
+        except HardwareProfileError as exc:
+            raise HardwareProfileError(f"hardware profile {str(path)!r}: {exc}") from None
+

@@ -1,0 +1,258 @@
+"""Calibrators: STS on synthetic over-confident rounds with known truth, censoring, files."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specforge.components import CalibrationData, Calibrator
+from specforge.metrics import calibration_report
+from specforge.plots import reliability_diagram
+from specforge.plugins import PluginHost
+from specforge_plugins.calibrators import (
+    CalibratorFileError,
+    IdentityCalibrator,
+    SequentialTemperatureScaling,
+    STSConfig,
+)
+
+G = 5
+OVERCONFIDENCE = 2.5
+
+
+def rounds(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """True conditional acceptance s[n, k] (varying per round), drawn acceptance, raw scores."""
+    gen = torch.Generator().manual_seed(seed)
+    level = torch.linspace(1.5, 0.0, G, dtype=torch.float64)  # acceptance drops along the block
+    difficulty = torch.randn(n, 1, generator=gen, dtype=torch.float64)  # per-round (prompt) effect
+    noise = 0.8 * torch.randn(n, G, generator=gen, dtype=torch.float64)
+    s = torch.sigmoid(level + difficulty + noise)
+    ok = torch.rand(n, G, generator=gen, dtype=torch.float64) < s
+    accepted = ok.long().cumprod(1).sum(1)  # accepted prefix: up to the first rejection
+    raw = torch.sigmoid(OVERCONFIDENCE * torch.logit(s))  # over-confident: pushed away from ½
+    return s, accepted, raw
+
+
+@pytest.fixture(scope="module")
+def halves():
+    _, accepted, raw = rounds(8000, seed=1234)
+    fit = CalibrationData(raw[:4000], accepted[:4000])
+    held = CalibrationData(raw[4000:], accepted[4000:])
+    return fit, held
+
+
+@pytest.fixture(scope="module")
+def fitted(halves):
+    cal = SequentialTemperatureScaling()
+    report = cal.fit(halves[0])
+    return cal, report
+
+
+@pytest.fixture(scope="module")
+def comparisons(halves, fitted):
+    """(before, after) reports on the fit half and on the held-out half."""
+    fit, held = halves
+    cal, report = fitted
+    held_before = calibration_report(held)
+    held_after = calibration_report(held, cal.apply(held.confidence))
+    return [(report["before"], report["after"]), (held_before, held_after)]
+
+
+def test_sts_lowers_ece_at_every_position_on_fit_and_held_out_rounds(comparisons):
+    for before, after in comparisons:
+        for b, a in zip(before["positions"], after["positions"]):
+            assert a["ece"] < b["ece"], (b["k"], b["ece"], a["ece"])
+            # Raw ECE is 0.11–0.19 per position; after STS it is at the sampling-noise floor of
+            # a 20-bin ECE on 4000 rounds (≈ 0.01–0.03).
+            assert a["ece"] < 0.04 and a["ece"] < b["ece"] / 3
+            assert a["brier"] < b["brier"]
+        assert after["overall"]["ece"] < before["overall"]["ece"]
+
+
+def test_sts_temperatures_exceed_one_for_overconfident_scores(fitted):
+    cal, report = fitted
+    temps = report["temperatures"]
+    assert len(temps) == G and all(t > 1 for t in temps)
+    # The truth is σ(logit(raw) / 2.5) at every position.  t_1 sees it directly; later t_k
+    # also absorb the (noisy) error of the frozen prefix they multiply, so they scatter more.
+    assert abs(temps[0] - OVERCONFIDENCE) < 0.3, temps
+    assert all(1.5 < t < 3.5 for t in temps), temps
+    assert cal.temperatures.tolist() == temps
+
+
+def test_sts_leaves_conditional_auroc_exactly_unchanged(comparisons):
+    # Each ĉ_k is a strictly increasing function of c_k alone, so the ranking of the
+    # conditional c_k (on the rounds that reached k) — and its AUROC — is identical.  The
+    # cumulative product's AUROC is not guaranteed: Π_{i≤k} ĉ_i re-weights earlier positions
+    # by different temperatures, which can reorder two rounds whose c_1..c_k trade off
+    # (e.g. (0.9, 0.5) vs (0.6, 0.75) swap when t_1 ≠ t_2), so it is reported, not asserted.
+    for before, after in comparisons:
+        for b, a in zip(before["positions"], after["positions"]):
+            assert not math.isnan(b["auroc_conditional"])
+            assert a["auroc_conditional"] == b["auroc_conditional"]
+
+
+def test_sts_is_order_preserving_per_position(fitted):
+    cal, _ = fitted
+    c = torch.linspace(0.01, 0.99, 99, dtype=torch.float64)[:, None].expand(99, G)
+    out = cal.apply(c)
+    assert (out.diff(dim=0) > 0).all() and out.shape == c.shape and out.dtype == c.dtype
+
+
+def test_censoring_excludes_unverified_positions():
+    _, true_accepted, raw = rounds(2000, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    verified = torch.randint(1, G + 1, (2000,), generator=gen)  # scheduler stopped early
+    accepted = torch.minimum(true_accepted, verified)
+    data = CalibrationData(raw, accepted, verified)
+
+    def sts():
+        return SequentialTemperatureScaling(STSConfig(grid_size=101))
+
+    temps = sts().fit(data)["temperatures"]
+
+    # Scores at unverified positions carry no information: replacing them changes nothing.
+    unverified = torch.arange(G)[None, :] >= verified[:, None]
+    scrambled = torch.where(unverified, torch.full_like(raw, 0.999), raw)
+    assert sts().fit(CalibrationData(scrambled, accepted, verified))["temperatures"] == temps
+    # Counting unverified positions as rejections (verified = G) would change the fit.
+    naive = sts().fit(CalibrationData(raw, accepted))["temperatures"]
+    assert naive[1:] != temps[1:]
+    assert calibration_report(data)["positions"][G - 1]["n"] == int((verified == G).sum())
+
+
+def test_apply_past_the_fitted_block_reuses_the_last_temperature(fitted):
+    cal, _ = fitted
+    c = torch.full((3, G + 2), 0.7, dtype=torch.float64)
+    out = cal.apply(c)
+    last = torch.sigmoid(torch.logit(torch.tensor(0.7, dtype=torch.float64)) / cal.temperatures[-1])
+    assert torch.equal(out[:, G:], last.expand(3, 2))
+    assert torch.equal(cal.apply(c[:, :2]), out[:, :2])
+
+
+def test_apply_keeps_dtype_and_clamps_extremes(fitted):
+    cal, _ = fitted
+    c = torch.tensor([[0.0, 1.0, 0.5, 0.2, 0.9]], dtype=torch.float32)
+    out = cal.apply(c)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert 0 < out[0, 0] < out[0, 2] < out[0, 1] <= 1
+
+
+def test_unfitted_sts_refuses_to_apply_or_save(tmp_path):
+    cal = SequentialTemperatureScaling()
+    with pytest.raises(RuntimeError, match="not fitted"):
+        cal.apply(torch.full((1, 2), 0.5))
+    with pytest.raises(RuntimeError, match="not fitted"):
+        cal.save(str(tmp_path / "x.safetensors"))
+    with pytest.raises(ValueError, match="non-finite"):
+        cal.fit(CalibrationData(torch.tensor([[math.nan, 0.5]]), torch.tensor([0])))
+
+
+def test_positions_never_verified_carry_the_previous_temperature():
+    _, accepted, raw = rounds(500, seed=3)
+    verified = torch.full((500,), 2)
+    data = CalibrationData(raw, torch.minimum(accepted, verified), verified)
+    temps = SequentialTemperatureScaling().fit(data)["temperatures"]
+    assert temps[2:] == [temps[1]] * (G - 2)
+
+
+# --- files ------------------------------------------------------------------------------------
+
+
+def test_sts_save_load_round_trip_and_path_config(fitted, tmp_path):
+    cal, _ = fitted
+    path = tmp_path / "cal" / "sts.safetensors"
+    cal.save(str(path))
+    c = torch.rand(10, G + 1, generator=torch.Generator().manual_seed(0))
+    loaded = SequentialTemperatureScaling()
+    loaded.load(str(path))
+    assert torch.equal(loaded.apply(c), cal.apply(c))
+    from_config = SequentialTemperatureScaling(STSConfig(path=str(path)))
+    assert torch.equal(from_config.apply(c), cal.apply(c))
+    from_host = PluginHost().create_calibrator("sts", {"path": str(path)})
+    assert torch.equal(from_host.apply(c), cal.apply(c))
+    assert path.read_bytes()[8:].lstrip().startswith(b"{")  # a safetensors JSON header, no pickle
+
+
+def test_loading_another_calibrators_file_names_the_file(fitted, tmp_path):
+    cal, _ = fitted
+    ident, sts = tmp_path / "identity.safetensors", tmp_path / "sts.safetensors"
+    IdentityCalibrator().save(str(ident))
+    cal.save(str(sts))
+    with pytest.raises(CalibratorFileError, match=r"identity\.safetensors.*'identity', not 'sts'"):
+        SequentialTemperatureScaling().load(str(ident))
+    with pytest.raises(CalibratorFileError, match=r"sts\.safetensors.*'sts', not 'identity'"):
+        IdentityCalibrator().load(str(sts))
+    with pytest.raises(CalibratorFileError, match="identity.safetensors"):
+        SequentialTemperatureScaling(STSConfig(path=str(ident)))
+
+
+def test_malformed_files_name_the_file(tmp_path):
+    header = {"specforge.calibrator": "sts", "specforge.format": "1"}
+    cases = {
+        "matrix": ({"temperatures": torch.ones(2, 2, dtype=torch.float64)}, header, "1-D"),
+        "negative": ({"temperatures": torch.tensor([1.0, -2.0], dtype=torch.float64)}, header, "positive"),
+        "extra": ({"temperatures": torch.ones(2), "bias": torch.ones(2)}, header, "exactly one"),
+        "no_header": ({"temperatures": torch.ones(2)}, None, "not written by a specforge"),
+        "old_format": ({"temperatures": torch.ones(2)}, {**header, "specforge.format": "0"}, "format"),
+    }
+    for name, (tensors, meta, message) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(path), metadata=meta)
+        with pytest.raises(CalibratorFileError, match=f"{name}.safetensors.*{message}"):
+            SequentialTemperatureScaling().load(str(path))
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(CalibratorFileError, match="junk.safetensors.*not a safetensors"):
+        SequentialTemperatureScaling().load(str(junk))
+    with pytest.raises(FileNotFoundError, match="missing.safetensors"):
+        SequentialTemperatureScaling().load(str(tmp_path / "missing.safetensors"))
+
+
+def test_identity_calibrator(halves, tmp_path):
+    fit, _ = halves
+    cal = IdentityCalibrator()
+    report = cal.fit(fit)
+    assert report["before"] == report["after"] and report["calibrator"] == "identity"
+    assert cal.apply(fit.confidence) is fit.confidence
+    cal.save(str(tmp_path / "id.safetensors"))
+    IdentityCalibrator().load(str(tmp_path / "id.safetensors"))
+    assert isinstance(cal, Calibrator) and isinstance(SequentialTemperatureScaling(), Calibrator)
+
+
+def test_sts_config_is_validated():
+    with pytest.raises(ValueError, match="t_min"):
+        STSConfig(t_min=2.0, t_max=1.0)
+    with pytest.raises(ValueError):
+        STSConfig(grid=3)  # unknown key
+
+
+def test_registration_through_the_host():
+    host = PluginHost().load()
+    assert {"identity", "sts"} <= set(host.names("calibrator"))
+    assert host.get("calibrator", "sts").metadata.trainable is True
+    assert host.get("calibrator", "identity").metadata.trainable is False
+    assert host.get("calibrator", "sts").package == "specforge-lossless"
+    assert isinstance(host.create_calibrator("sts", {"grid_size": 11}), SequentialTemperatureScaling)
+    assert isinstance(host.create_calibrator("identity"), IdentityCalibrator)
+
+
+# --- reliability diagram ----------------------------------------------------------------------
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_reliability_diagram_writes_png(halves, fitted, comparisons, tmp_path):
+    _, held = halves
+    cal, report = fitted
+    pooled = reliability_diagram(report, tmp_path / "pooled.png", title="STS")
+    per_pos = reliability_diagram(held, tmp_path / "plots" / "held.png", after=cal, per_position=True)
+    single = reliability_diagram(comparisons[1][0], tmp_path / "raw.png")
+    for path in (pooled, per_pos, single):
+        data = path.read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000
+    with pytest.raises(TypeError):
+        reliability_diagram({"nope": 1}, tmp_path / "x.png")

@@ -1,0 +1,79 @@
+"""A third-party package installed with pip shows up, is selectable, and goes away again.
+
+The example package under examples/ is pip-installed into a throw-away virtual environment that
+sees this environment's packages, its own test suite runs there, then it is uninstalled.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "specforge-example-plugin"
+
+
+def _installed_here() -> bool:
+    try:
+        metadata.distribution("specforge-example-plugin")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.fixture
+def child_env(tmp_path):
+    if _installed_here():
+        pytest.skip("specforge-example-plugin is installed in this environment; "
+                    "uninstall it to test a clean install/uninstall round trip")
+    env = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    python = env / "bin" / "python"
+    child_site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    # Let the child see this environment's packages (specforge, torch, pytest ...).  addsitedir
+    # also runs the parent's .pth files, which an editable install of specforge relies on.
+    parent = sysconfig.get_paths()["purelib"]
+    (Path(child_site) / "parent.pth").write_text(f"import site; site.addsitedir({parent!r})\n")
+    return python
+
+
+def pip(python: Path, *args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "-q", *args],
+                   check=True, capture_output=True, text=True)
+
+
+def components(python: Path) -> set[tuple[str, str, str]]:
+    out = subprocess.run([str(python), "-m", "specforge", "plugins", "--json"],
+                         check=True, capture_output=True, text=True).stdout
+    return {(c["kind"], c["name"], c["package"]) for c in json.loads(out)["components"]}
+
+
+def test_install_select_test_uninstall(child_env, tmp_path):
+    budget = ("scheduler", "budget", "specforge-example-plugin")
+    assert budget not in components(child_env)
+
+    pip(child_env, "install", "--no-deps", "--no-build-isolation", str(EXAMPLE))
+    assert budget in components(child_env)
+
+    config = tmp_path / "pipeline.yaml"
+    config.write_text("scheduler: {name: budget, tokens: 5}\n")
+    shown = subprocess.run([str(child_env), "-m", "specforge", "config", "show", str(config), "--json"],
+                           check=True, capture_output=True, text=True).stdout
+    assert json.loads(shown)["scheduler"] == {"name": "budget", "tokens": 5}
+
+    # The package's own test suite, as its CI would run it.
+    tests = subprocess.run([str(child_env), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            str(EXAMPLE / "tests")], capture_output=True, text=True, cwd=tmp_path)
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+
+    pip(child_env, "uninstall", "-y", "specforge-example-plugin")
+    assert budget not in components(child_env)
