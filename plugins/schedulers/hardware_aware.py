@@ -98,7 +98,7 @@ class AsyncTopKScheduler:
 
     def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
         path = admission_path(confidence, available)
-        capacity = self._ahead.popleft() if len(self._ahead) == 1 else self.config.initial_capacity
+        capacity = self._ahead.popleft() if len(self._ahead) == 2 else self.config.initial_capacity
         self._ahead.append(global_count(path.throughput(self.profile)))
         self.last_capacity = capacity
         n = len(path) if capacity is None else min(capacity, len(path))

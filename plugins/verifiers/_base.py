@@ -74,7 +74,8 @@ def prepare(
 ) -> VerifyInputs:
     """Validate shapes and values of a ``verify`` call (SPEC §4) and sanitise unused slots."""
     if target_logits.dim() != 3:
-        raise ValueError(f"target_logits must be [R, G+1, V], got shape {tuple(target_logits.shape)}")
+        shape = tuple(target_logits.shape)
+        raise ValueError(f"target_logits must be [R, G+1, V], got shape {shape}")
     r, g1, v = target_logits.shape
     g = g1 - 1
     if g < 0:
