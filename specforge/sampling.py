@@ -117,7 +117,9 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
     """Warped probabilities ``[R, ..., V]`` from raw logits ``[R, ..., V]``.
 
     Settings are per request (dimension 0) and broadcast over any middle dimensions.  The result is
-    computed in the dtype of ``logits`` (use float64 for exact tests).  Every row is warped on its
+    computed in float32, or float64 when the logits are float64 (exact tests): bf16/fp16 logits
+    are upcast first, because probabilities at half precision are too coarse for acceptance
+    ratios and top-p cut-offs.  Every row is warped on its
     own, so a row of garbage (NaN) yields garbage in that row only and never raises: callers check
     the rows they use with :func:`check_logits`.
     """
@@ -126,6 +128,7 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
     if len(params) != r:
         raise ValueError(f"sampling params describe {len(params)} requests, logits have {r}")
     x = logits.reshape(r, -1, v)
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
     dtype, device = x.dtype, x.device
     t = params.temperature.to(device=device, dtype=dtype).view(r, 1, 1)
     k = params.top_k.to(device).view(r, 1, 1)

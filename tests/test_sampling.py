@@ -205,3 +205,11 @@ def test_sampling_params_validate_names_request():
     ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams.stack(rows).validate()
+
+
+def test_half_precision_logits_are_warped_in_float32():
+    logits = torch.randn(2, 3, 50).to(torch.bfloat16)
+    params = SamplingParams.uniform(2, temperature=0.7, top_p=0.9)
+    probs = warp(logits, params)
+    assert probs.dtype == torch.float32
+    assert torch.allclose(probs, warp(logits.float(), params))
