@@ -1,0 +1,31 @@
+"""A built wheel carries every module the entry points name, and the presets."""
+
+from __future__ import annotations
+
+import configparser
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_contains_every_entry_point_module_and_preset(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True, text=True,
+    )
+    (wheel,) = tmp_path.glob("specforge_lossless-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    info = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    parser = configparser.ConfigParser()
+    parser.read_string(zipfile.ZipFile(wheel).read(info).decode())
+    targets = dict(parser["specforge"])
+    assert set(targets) == {"verifiers", "schedulers", "calibrators", "confidence", "correction_heads"}
+    for module in targets.values():
+        path = module.replace(".", "/")
+        assert f"{path}.py" in names or f"{path}/__init__.py" in names, module
+    assert "specforge/presets/default.yaml" in names
+    assert parser["console_scripts"]["specforge"] == "specforge.cli:main"
