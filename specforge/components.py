@@ -25,6 +25,7 @@ from specforge.sampling import SamplingParams
 
 __all__ = [
     "CalibrationData",
+    "DraftContext",
     "Calibrator",
     "ConfidenceEstimator",
     "CorrectionHead",
@@ -185,12 +186,54 @@ class CorrectionHead(Protocol):
         ...
 
 
-@runtime_checkable
-class Drafter(Protocol):
-    """Proposes a block of draft tokens with the law each was drawn from.
+@dataclass(frozen=True)
+class DraftContext:
+    """What the engine tells a drafter about the R requests it drafts for this round.
 
-    The engine that drives drafters arrives with the engine issue; until then no drafter ships
-    and a pipeline whose ``drafter`` is ``null`` decodes plainly (autoregressively).
+    Attributes:
+        request_ids: stable ids, for drafters that keep per-request state.
+        histories: each request's committed tokens (prompt and output), ending with the anchor
+            x_0 — the last committed token, which the target has not consumed yet.
+        max_tokens: ``[R]`` the most draft tokens worth proposing for each request (≤ γ; smaller
+            near a token or context limit).  A drafter may propose fewer.
+        sampling: each request's temperature / top-k / top-p; a sampling drafter draws x_k from
+            ``warp(logits_k, sampling)`` and reports that law as ``probs``.
+        generators: one seeded generator per request for the drafter's own randomness.
+        features: target features the drafter asked for through ``feature_layers`` (issued by
+            the target pass that produced the anchor); ``None`` when it asked for none.
     """
 
+    request_ids: list[int]
+    histories: list[Tensor]
+    max_tokens: Tensor
+    sampling: SamplingParams
+    generators: list[torch.Generator]
+    features: Any = None
+
+    @property
+    def anchor(self) -> Tensor:
+        return torch.stack([h[-1] for h in self.histories]) if self.histories else torch.empty(0, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes a block of up to γ draft tokens per request, with the law each was drawn from."""
+
     gamma: int
+    #: target layers whose outputs the drafter consumes (empty for model-free drafters)
+    feature_layers: tuple[int, ...]
+
+    def bind(self, target: Any) -> None:
+        """Called once with the target adapter before the first round (shared embeddings, vocab)."""
+        ...
+
+    def draft(self, ctx: DraftContext) -> DraftBlock:
+        """Propose ``DraftBlock(tokens [R, G], lengths [R] ≤ ctx.max_tokens, probs or None)``."""
+        ...
+
+    def release(self, request_id: int) -> None:
+        """Forget any state held for a finished request."""
+        ...

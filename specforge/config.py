@@ -35,6 +35,7 @@ from specforge.registry import ComponentKind, Registration
 __all__ = [
     "ComponentSpec",
     "ConfigError",
+    "EngineConfig",
     "PipelineConfig",
     "SamplingConfig",
     "TargetConfig",
@@ -89,6 +90,16 @@ class SamplingConfig(BaseModel):
     max_new_tokens: int = Field(128, ge=1)
 
 
+class EngineConfig(BaseModel):
+    """How the engine batches requests."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_batch: int = Field(16, ge=1, description="requests decoded together (KV-cache slots)")
+    max_context: int = Field(
+        4096, ge=2, description="prompt + output tokens per request (capped by the model's own limit)"
+    )
+
+
 @dataclass(frozen=True)
 class ComponentSpec:
     """A resolved slot: the registration it names and its validated params."""
@@ -113,6 +124,7 @@ class PipelineConfig:
 
     target: TargetConfig
     sampling: SamplingConfig
+    engine: EngineConfig
     components: dict[ComponentKind, ComponentSpec | None]
 
     def component(self, kind: ComponentKind | str) -> ComponentSpec | None:
@@ -122,6 +134,7 @@ class PipelineConfig:
         out: dict[str, Any] = {
             "target": self.target.model_dump(mode="json"),
             "sampling": self.sampling.model_dump(mode="json"),
+            "engine": self.engine.model_dump(mode="json"),
         }
         for kind in ComponentKind:
             spec = self.components[kind]
@@ -139,7 +152,11 @@ class PipelineConfig:
         return path
 
 
-SECTIONS: dict[str, type[BaseModel]] = {"target": TargetConfig, "sampling": SamplingConfig}
+SECTIONS: dict[str, type[BaseModel]] = {
+    "target": TargetConfig,
+    "sampling": SamplingConfig,
+    "engine": EngineConfig,
+}
 TOP_LEVEL_KEYS = [*SECTIONS, *(k.value for k in ComponentKind)]
 
 
@@ -269,7 +286,9 @@ def validate_pipeline(
             )
     if problems:
         raise ConfigError(problems, source)
-    return PipelineConfig(sections["target"], sections["sampling"], components)  # type: ignore[arg-type]
+    return PipelineConfig(
+        sections["target"], sections["sampling"], sections["engine"], components  # type: ignore[arg-type]
+    )
 
 
 def load_pipeline(

@@ -34,7 +34,16 @@ __all__ = [
 
 
 class NonFiniteError(ValueError):
-    """Raised when logits or probabilities that would be sampled from are not finite."""
+    """Raised when logits or probabilities that would be sampled from are not finite.
+
+    ``request`` and ``position`` locate the first bad row (batch index and row index), so an
+    engine can fail that request alone.
+    """
+
+    def __init__(self, message: str, request: int | None = None, position: int | None = None) -> None:
+        super().__init__(message)
+        self.request = request
+        self.position = position
 
 
 @dataclass(frozen=True)
@@ -110,7 +119,7 @@ def _raise_first(bad: Tensor, valid: Tensor | None, message: str) -> None:
         bad = bad & valid
     if bool(bad.any()):
         r, j = (int(i) for i in bad.nonzero()[0])
-        raise NonFiniteError(f"request {r}, position {j}: {message}")
+        raise NonFiniteError(f"request {r}, position {j}: {message}", r, j)
 
 
 def warp(logits: Tensor, params: SamplingParams) -> Tensor:

@@ -23,7 +23,9 @@ def test_wheel_contains_every_entry_point_module_and_preset(tmp_path):
     parser = configparser.ConfigParser()
     parser.read_string(zipfile.ZipFile(wheel).read(info).decode())
     targets = dict(parser["specforge"])
-    assert set(targets) == {"verifiers", "schedulers", "calibrators", "confidence", "correction_heads"}
+    assert set(targets) == {
+        "verifiers", "schedulers", "calibrators", "confidence", "correction_heads", "drafters"
+    }
     for module in targets.values():
         path = module.replace(".", "/")
         assert f"{path}.py" in names or f"{path}/__init__.py" in names, module

@@ -18,6 +18,7 @@ SHIPPED = {
     "calibrator": {"identity", "sts"},
     "confidence": {"constant", "entropy"},
     "correction_head": {"none"},
+    "drafter": {"ngram"},
 }
 
 

@@ -1,0 +1,399 @@
+"""Causal attention over a flattened variable-length batch, reading K/V from a slotted cache.
+
+All new tokens of all requests form one token dimension ``N`` (no padding).  Request ``r`` owns
+rows ``cu_seqlens[r]:cu_seqlens[r+1]`` of ``q`` (``[N, Hq, D]``), which sit at absolute positions
+``start_pos[r] + i``; its keys and values are ``k_cache[slots[r], :, :start_pos[r] + n_r]`` of
+``k_cache, v_cache: [S, Hkv, T, D]`` (the new tokens' K/V are already written there).  The token
+at position ``p`` attends keys ``0..p`` of its own slot; query head ``h`` reads kv head
+``h // (Hq // Hkv)`` (GQA).  Nothing past a request's last written position is ever read, so the
+rest of a slot may hold anything (stale entries after a rollback, another request's leftovers).
+
+Two implementations compute this same function:
+
+* :func:`varlen_attention_reference` — pure torch, one SDPA call per request on views of the
+  cache.  It is the oracle of the Triton kernel *and* the production CPU path.
+* :func:`varlen_attention_triton` — a flash-attention style Triton kernel (online softmax,
+  float32 accumulation) for CUDA devices; on a CPU it runs only under ``TRITON_INTERPRET=1``.
+
+:func:`varlen_attention` picks one of them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch twin must keep working where Triton is not installed
+    triton = None
+    tl = None
+
+__all__ = [
+    "varlen_attention",
+    "varlen_attention_reference",
+    "varlen_attention_triton",
+]
+
+Backend = Literal["auto", "torch", "triton"]
+
+# Runs whose folded query block (GQA group x tokens) is at most this many rows take the
+# "fold the group into the query dimension" route below; longer ones (prefill) take SDPA's GQA
+# path, whose per-head mask does not grow with the group size.
+_FOLD_MAX_ROWS = 256
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------
+
+
+def _check(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_seqlens: Tensor,
+    slots: Tensor,
+    start_pos: Tensor,
+) -> tuple[list[int], list[int], list[int]]:
+    """Validate the call and return the launch metadata as host lists ``(cu, slots, start)``.
+
+    The metadata is copied to the host once, in one transfer, because both implementations need
+    it there anyway (the torch twin to slice per request, the kernel to size its grid).
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [N, Hq, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [S, Hkv, T, D], got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape {tuple(k_cache.shape)}"
+        )
+    n_tokens, hq, d = q.shape
+    n_slots, hkv, capacity, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"head dim of q ({d}) and of the cache ({dk}) differ")
+    if d == 0:
+        raise ValueError("head dim must be positive")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if not q.is_floating_point():
+        raise ValueError(f"q must be a floating-point tensor, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError("q, k_cache and v_cache must be on the same device")
+    for name, t in (("cu_seqlens", cu_seqlens), ("slots", slots), ("start_pos", start_pos)):
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    n_req = cu_seqlens.shape[0] - 1
+    if n_req < 0:
+        raise ValueError("cu_seqlens must hold at least one entry (R + 1 boundaries)")
+    if slots.shape[0] != n_req or start_pos.shape[0] != n_req:
+        raise ValueError(
+            f"cu_seqlens describes {n_req} requests but slots has {slots.shape[0]} and "
+            f"start_pos {start_pos.shape[0]} entries"
+        )
+
+    meta = torch.cat([cu_seqlens.long(), slots.long(), start_pos.long()]).tolist()
+    cu, sl, sp = meta[: n_req + 1], meta[n_req + 1 : 2 * n_req + 1], meta[2 * n_req + 1 :]
+    if cu[0] != 0 or cu[-1] != n_tokens:
+        raise ValueError(f"cu_seqlens must run from 0 to N={n_tokens}, got {cu[0]}..{cu[-1]}")
+    for r in range(n_req):
+        n = cu[r + 1] - cu[r]
+        if n < 0:
+            raise ValueError(f"cu_seqlens must be non-decreasing (request {r}: {cu[r]} -> {cu[r + 1]})")
+        if not 0 <= sl[r] < n_slots:
+            raise ValueError(f"request {r}: slot {sl[r]} outside the cache's {n_slots} slots")
+        if sp[r] < 0:
+            raise ValueError(f"request {r}: negative start position {sp[r]}")
+        if sp[r] + n > capacity:
+            raise ValueError(
+                f"request {r}: positions {sp[r]}..{sp[r] + n - 1} exceed the cache capacity T={capacity}"
+            )
+    return cu, sl, sp
+
+
+# --------------------------------------------------------------------------------------------
+# the torch twin
+# --------------------------------------------------------------------------------------------
+
+
+def varlen_attention_reference(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_seqlens: Tensor,
+    slots: Tensor,
+    start_pos: Tensor,
+    scale: float,
+) -> Tensor:
+    """Pure-torch varlen causal attention: ``[N, Hq, D]`` in ``q``'s dtype.
+
+    One ``scaled_dot_product_attention`` per request, on views of its slot (the cache is never
+    copied).  For short runs (decode, verification) the GQA group is folded into the query
+    dimension — the ``G`` query heads sharing a kv head become ``G * n`` query rows against that
+    one kv head — so K/V are neither repeated nor broadcast; this measured 2–4x faster on CPU
+    than ``enable_gqa=True``, which expands K/V.  A single-token run needs no mask: it attends
+    every key of the slice.
+    """
+    cu, sl, sp = _check(q, k_cache, v_cache, cu_seqlens, slots, start_pos)
+    n_tokens, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    out = torch.empty((n_tokens, hq, d), dtype=q.dtype, device=q.device)
+    for r in range(len(sl)):
+        a, b = cu[r], cu[r + 1]
+        n = b - a
+        if n == 0:
+            continue
+        length = sp[r] + n  # keys 0..length-1 are this request's
+        k = k_cache[sl[r], :, :length]  # [Hkv, L, D] views
+        v = v_cache[sl[r], :, :length]
+        qr = q[a:b]  # [n, Hq, D]
+        if n * group <= _FOLD_MAX_ROWS:
+            # Rows ordered (g, i): row g*n + i is token i of query head kvh*G + g.
+            qf = qr.reshape(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+            mask = None
+            if n > 1:
+                mask = _causal_mask(n, length, q.device).repeat(group, 1)
+            o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+            out[a:b] = o.reshape(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+        else:
+            qh = qr.transpose(0, 1)  # [Hq, n, D]
+            if length == n:
+                # Prefill from position 0: SDPA's top-left aligned causal mask is exactly ours,
+                # and is_causal lets the CPU flash kernel skip the masked half without a mask.
+                o = F.scaled_dot_product_attention(
+                    qh, k, v, is_causal=True, scale=scale, enable_gqa=group > 1
+                )
+            else:
+                # is_causal would align the diagonal top-left (query i sees keys 0..i), but with
+                # a cached prefix query i must see keys 0..start+i: an explicit mask it is.
+                o = F.scaled_dot_product_attention(
+                    qh, k, v, attn_mask=_causal_mask(n, length, q.device), scale=scale,
+                    enable_gqa=group > 1,
+                )
+            out[a:b] = o.transpose(0, 1)
+    return out
+
+
+def _causal_mask(n: int, length: int, device: torch.device) -> Tensor:
+    """``[n, length]`` bool, True where query ``i`` (at position ``length - n + i``) may look."""
+    start = length - n
+    keys = torch.arange(length, device=device)
+    queries = torch.arange(start, length, device=device)
+    return keys[None, :] <= queries[:, None]
+
+
+# --------------------------------------------------------------------------------------------
+# the Triton kernel
+# --------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _varlen_attn_fwd(
+        Q, K, V, O, CU, SLOTS, START,
+        qk_scale,  # softmax scale * log2(e): the kernel exponentiates in base 2
+        stride_qn, stride_qh, stride_qd,
+        stride_ks, stride_kh, stride_kt, stride_kd,
+        stride_vs, stride_vh, stride_vt, stride_vd,
+        stride_on, stride_oh, stride_od,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        DOT_IN_FP32: tl.constexpr,
+    ):
+        req = tl.program_id(0)
+        m_block = tl.program_id(1)
+        head = tl.program_id(2)
+
+        # int64 throughout the address arithmetic: slot * stride_ks overflows int32 for large
+        # caches (32 slots x 8 heads x 32k positions x 128 dims is already 2^30).
+        row0 = tl.load(CU + req).to(tl.int64)
+        n = tl.load(CU + req + 1).to(tl.int64) - row0
+        m_start = m_block * BLOCK_M
+        # The grid is sized for the longest run; shorter runs leave their tail programs idle.
+        if m_start >= n:
+            return
+        slot = tl.load(SLOTS + req).to(tl.int64)
+        start = tl.load(START + req).to(tl.int64)
+
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_ok = offs_m < n
+        d_ok = offs_d < HEAD_DIM  # BLOCK_D pads a head dim that is not a power of two
+
+        q_ptrs = Q + (row0 + offs_m)[:, None] * stride_qn + head * stride_qh + offs_d[None, :] * stride_qd
+        q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_IN_FP32:
+            q = q.to(tl.float32)
+
+        kv_head = head // GROUP
+        k_base = K + slot * stride_ks + kv_head * stride_kh
+        v_base = V + slot * stride_vs + kv_head * stride_vh
+        q_pos = start + offs_m
+        # Keys beyond the last query of this block are masked for every row: stop there.  The
+        # bound never passes start + n, so nothing beyond the request's written positions is
+        # loaded (masked loads give 0, which cannot turn into NaN the way garbage would).
+        kv_end = start + tl.minimum(n, m_start + BLOCK_M)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for start_n in range(0, kv_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < kv_end
+            kt = tl.load(
+                k_base + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd,
+                mask=n_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )  # [BLOCK_D, BLOCK_N], K transposed
+            if DOT_IN_FP32:
+                kt = kt.to(tl.float32)
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+            # Padding rows (offs_m >= n) sit past every key and so see all of them: no row is
+            # ever fully masked, and key 0 in the first block keeps m_i finite from then on.
+            s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+                mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_D]
+            if DOT_IN_FP32:
+                v = v.to(tl.float32)
+            # p is rounded to the K/V dtype for the tensor-core dot, as flash-attention does.
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        acc = acc / l_i[:, None]
+        o_ptrs = O + (row0 + offs_m)[:, None] * stride_on + head * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+    # triton.jit decides at decoration time whether this is a compiled or an interpreted
+    # function (TRITON_INTERPRET read when this module is imported); record which it became.
+    _KERNEL_INTERPRETED = type(_varlen_attn_fwd).__name__ == "InterpretedFunction"
+else:
+    _KERNEL_INTERPRETED = False
+
+_LOG2E = 1.4426950408889634
+
+
+def _launch_meta(dtype: torch.dtype, head_dim: int, group: int, max_n: int, interpreted: bool) -> dict:
+    """Compile-time parameters and ``num_warps`` of one launch (shared with the compile test)."""
+    # 16 is tl.dot's smallest tile; decode/verify runs (1..16 tokens) fit one block, prefill
+    # gets the usual 64 x 64 flash tiles.
+    block_m = 16 if max_n <= 16 else (32 if max_n <= 32 else 64)
+    # Triton's interpreter multiplies the raw uint16 bit patterns in a bfloat16 tl.dot
+    # (triton-lang/triton#11584, unsupported upstream): there the operands are upcast first.
+    # Compiled kernels keep bfloat16 tensor-core dots.
+    dot_in_fp32 = interpreted and dtype == torch.bfloat16
+    return dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=64 if head_dim <= 128 else 32,  # keep K/V tiles of large heads in registers
+        BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),  # dot tiles need a power of two >= 16
+        # float32 inputs get IEEE dots: TF32 would cost ~1e-3 relative error against the twin.
+        DOT_PRECISION="ieee" if dtype == torch.float32 or dot_in_fp32 else "tf32",
+        DOT_IN_FP32=dot_in_fp32,
+        num_warps=4,
+    )
+
+
+def _require_runnable_kernel(q: Tensor) -> None:
+    if triton is None:
+        raise RuntimeError("varlen_attention_triton needs the `triton` package, which is not installed")
+    if not q.is_cuda and not _KERNEL_INTERPRETED:
+        raise RuntimeError(
+            "varlen_attention_triton runs on CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 "
+            "before specforge_kernels.varlen_attention (and triton) are first imported, or use "
+            "backend='torch'"
+        )
+
+
+def varlen_attention_triton(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_seqlens: Tensor,
+    slots: Tensor,
+    start_pos: Tensor,
+    scale: float,
+) -> Tensor:
+    """Triton varlen causal attention; same contract as :func:`varlen_attention_reference`.
+
+    One program per (request, block of ``BLOCK_M`` queries, query head), streaming key blocks of
+    the request's slot up to the block's causal limit with an online softmax accumulated in
+    float32.  float32 inputs use IEEE-precision dots (no TF32), so the result stays within
+    float32 rounding of the twin.  Any head dim works (it is padded to a power of two ≥ 16 and
+    masked).  Validation copies the metadata to the host once (one device sync per call).
+    """
+    _require_runnable_kernel(q)
+    cu, _, _ = _check(q, k_cache, v_cache, cu_seqlens, slots, start_pos)
+    for name, t in (("cu_seqlens", cu_seqlens), ("slots", slots), ("start_pos", start_pos)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    n_tokens, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    out = torch.empty((n_tokens, hq, d), dtype=q.dtype, device=q.device)
+    n_req = len(cu) - 1
+    max_n = max((cu[r + 1] - cu[r] for r in range(n_req)), default=0)
+    if max_n == 0:
+        return out
+
+    meta = _launch_meta(q.dtype, d, hq // hkv, max_n, _KERNEL_INTERPRETED)
+    grid = (n_req, triton.cdiv(max_n, meta["BLOCK_M"]), hq)
+    _varlen_attn_fwd[grid](
+        q, k_cache, v_cache, out, cu_seqlens, slots, start_pos,
+        float(scale) * _LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        **meta,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# dispatcher
+# --------------------------------------------------------------------------------------------
+
+
+def varlen_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_seqlens: Tensor,
+    slots: Tensor,
+    start_pos: Tensor,
+    scale: float,
+    backend: Backend = "auto",
+) -> Tensor:
+    """Varlen causal attention over a slotted KV cache (see the module docstring).
+
+    ``backend="auto"`` runs the Triton kernel for CUDA tensors and the torch twin otherwise;
+    ``"torch"`` and ``"triton"`` force one.  ``"triton"`` on CPU tensors works only when the
+    kernel was built under ``TRITON_INTERPRET=1`` (tests), and says so otherwise.
+    """
+    if backend == "auto":
+        backend = "triton" if q.is_cuda and triton is not None else "torch"
+    if backend == "torch":
+        return varlen_attention_reference(q, k_cache, v_cache, cu_seqlens, slots, start_pos, scale)
+    if backend == "triton":
+        return varlen_attention_triton(q, k_cache, v_cache, cu_seqlens, slots, start_pos, scale)
+    raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")

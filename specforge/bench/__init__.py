@@ -1,0 +1,1 @@
+"""Benchmarks: prompts, the HF transformers baseline and the vLLM CPU peer."""

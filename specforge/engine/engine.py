@@ -1,0 +1,332 @@
+"""The decoding engine: continuous batching of speculative rounds over one flattened target pass.
+
+Invariant for every active request: the KV cache holds all committed tokens but the last one, the
+anchor x_0.  A round feeds ``[x_0, x_1 … x_ℓ]`` of every request in one varlen pass; row j of a
+request's logits is the target's distribution after x_j, exactly what the verifier needs.  After
+verification the cache keeps x_0 and the accepted drafts (moving the length back is the rollback),
+and the emitted correction/bonus token becomes the new anchor.  Plain decoding is the same round
+with no drafter (ℓ = 0).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specforge.components import DraftBlock, DraftContext, Verifier
+from specforge.config import EngineConfig, PipelineConfig, SamplingConfig
+from specforge.engine.request import (
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+    RequestStats,
+    StreamEvent,
+)
+from specforge.engine.stops import apply_token_stops, find_stop_string
+from specforge.registry import ComponentKind
+from specforge.sampling import NonFiniteError, SamplingParams
+from specforge.target import TargetModel, VarlenBatch
+
+__all__ = ["Engine"]
+
+
+@dataclass
+class _Active:
+    """Book-keeping of one admitted request."""
+
+    request_id: int
+    slot: int
+    history: list[int]  # prompt + output; history[-1] is the anchor
+    prompt_len: int
+    max_new_tokens: int
+    sampling: tuple[float, int, float]
+    generator: torch.Generator
+    stops: tuple[str, ...]
+    eos_ids: frozenset[int]
+    stats: RequestStats
+    text: str = ""
+    finish_reason: str | None = None
+    pending_text: list[int] = field(default_factory=list)
+
+    @property
+    def output(self) -> list[int]:
+        return self.history[self.prompt_len :]
+
+
+class Engine:
+    """Runs requests through draft → confidence → calibrate → schedule → verify → commit."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        verifier: Verifier,
+        *,
+        drafter=None,
+        correction_head=None,
+        confidence=None,
+        calibrator=None,
+        scheduler=None,
+        sampling: SamplingConfig | None = None,
+        engine: EngineConfig | None = None,
+    ) -> None:
+        self.target = target
+        self.verifier = verifier
+        self.drafter = drafter
+        self.correction_head = correction_head
+        self.confidence = confidence
+        self.calibrator = calibrator
+        self.scheduler = scheduler
+        self.defaults = sampling or SamplingConfig()
+        self.config = engine or EngineConfig()
+        self.context_limit = min(self.config.max_context, target.max_positions)
+        self.cache = target.new_cache(self.config.max_batch, self.context_limit)
+        if drafter is not None:
+            for name, part in (("confidence", confidence), ("calibrator", calibrator), ("scheduler", scheduler)):
+                if part is None:
+                    raise ValueError(f"a drafter needs a {name}")
+            drafter.bind(target)
+        self._queue: deque[tuple[int, GenerationRequest]] = deque()
+        self._active: list[_Active] = []
+        self._outputs: dict[int, RequestOutput] = {}
+        self._next_id = 0
+
+    @classmethod
+    def from_pipeline(cls, pipeline: PipelineConfig, target: TargetModel | None = None) -> Engine:
+        """Build the target (unless given) and every component a validated pipeline names."""
+        target = target or TargetModel.load(pipeline.target.model, pipeline.target.dtype)
+        parts = {kind: (spec.create() if spec is not None else None) for kind, spec in pipeline.components.items()}
+        drafter = parts[ComponentKind.DRAFTER]
+        return cls(
+            target,
+            parts[ComponentKind.VERIFIER],
+            drafter=drafter,
+            correction_head=parts[ComponentKind.CORRECTION_HEAD],
+            confidence=parts[ComponentKind.CONFIDENCE] if drafter is not None else None,
+            calibrator=parts[ComponentKind.CALIBRATOR] if drafter is not None else None,
+            scheduler=parts[ComponentKind.SCHEDULER] if drafter is not None else None,
+            sampling=pipeline.sampling,
+            engine=pipeline.engine,
+        )
+
+    # -- submission ------------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> int:
+        rid = request.request_id if request.request_id is not None else self._next_id
+        self._next_id = max(self._next_id, rid) + 1
+        self._queue.append((rid, request))
+        return rid
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue or self._active)
+
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        if request.prompt_ids is not None:
+            ids = [int(i) for i in request.prompt_ids]
+        elif request.prompt is not None:
+            ids = self.target.encode(request.prompt, chat=request.chat)
+        else:
+            raise ValueError("a request needs a prompt or prompt_ids")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.target.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"prompt token {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.context_limit:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the context limit is {self.context_limit} "
+                "(prompt plus at least one new token)"
+            )
+        return ids
+
+    def _admit(self, rid: int, request: GenerationRequest) -> _Active:
+        d = self.defaults
+        ids = self._prompt_ids(request)
+        sampling = (
+            d.temperature if request.temperature is None else float(request.temperature),
+            d.top_k if request.top_k is None else int(request.top_k),
+            d.top_p if request.top_p is None else float(request.top_p),
+        )
+        SamplingParams.stack([sampling]).validate()
+        seed = d.seed + rid if request.seed is None else int(request.seed)
+        max_new = d.max_new_tokens if request.max_new_tokens is None else int(request.max_new_tokens)
+        if max_new < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new}")
+        slot = self.cache.allocate()
+        return _Active(
+            request_id=rid, slot=slot, history=ids, prompt_len=len(ids), max_new_tokens=max_new,
+            sampling=sampling, generator=torch.Generator().manual_seed(seed),
+            stops=tuple(request.stop), eos_ids=frozenset() if request.ignore_eos else self.target.eos_ids,
+            stats=RequestStats(prompt_tokens=len(ids), started=time.perf_counter()),
+        )
+
+    def _admit_waiting(self) -> list[StreamEvent]:
+        events, admitted = [], []
+        while self._queue and self.cache.free_slots:
+            rid, request = self._queue.popleft()
+            try:
+                admitted.append(self._admit(rid, request))
+            except ValueError as exc:  # this request only: the others go on
+                events.append(self._fail(rid, [], str(exc)))
+        prefill = [s for s in admitted if len(s.history) > 1]
+        if prefill:
+            # Everything but the anchor, for all new requests in one pass; no logits needed.
+            batch = VarlenBatch.build([s.history[:-1] for s in prefill], [s.slot for s in prefill],
+                                      [0] * len(prefill))
+            self.target.forward(batch, self.cache)
+            for s in prefill:
+                self.cache.advance(s.slot, len(s.history) - 1)
+        self._active.extend(admitted)
+        return events
+
+    # -- one round -------------------------------------------------------------------------------
+
+    def step(self) -> list[StreamEvent]:
+        """Admit what fits, then run one round for every active request."""
+        events = self._admit_waiting()
+        if not self._active:
+            return events
+        states = list(self._active)
+        sampling = SamplingParams.stack([s.sampling for s in states])
+        block, lengths = self._draft(states, sampling)
+        g = int(lengths.max()) if len(states) else 0
+        runs = [[s.history[-1], *block.tokens[r, : int(lengths[r])].tolist()] for r, s in enumerate(states)]
+        batch = VarlenBatch.build(runs, [s.slot for s in states], [len(s.history) - 1 for s in states])
+        out = self.target.forward(batch, self.cache, logits_rows=torch.arange(batch.num_tokens))
+        # Row j of request r lives at flat index cu[r] + j; pad rows past ℓ_r repeat its last row.
+        offsets = torch.minimum(torch.arange(g + 1)[None, :], lengths[:, None])
+        logits = out.logits[batch.cu_seqlens[:-1, None] + offsets]
+        uniforms = self._uniforms(states, lengths, g)
+        tokens = block.tokens[:, :g]
+        probs = None if block.probs is None else block.probs[:, :g]
+        keep = list(range(len(states)))
+        while True:
+            try:
+                result = self.verifier.verify(logits[keep], tokens[keep], None if probs is None else probs[keep],
+                                              lengths[keep], _select(sampling, keep), uniforms[keep])
+                break
+            except NonFiniteError as exc:  # drop the offending request, verify the rest
+                bad = keep[exc.request] if exc.request is not None else None
+                if bad is None:
+                    raise
+                events.append(self._finish(states[bad], FinishReason.ERROR, str(exc)))
+                keep.remove(bad)
+                if not keep:
+                    return events
+        for i, r in enumerate(keep):
+            events.append(self._commit(states[r], tokens[r], int(lengths[r]), int(block.lengths[r]),
+                                       int(result.num_accepted[i]), int(result.next_token[i])))
+        return events
+
+    def _draft(self, states: list[_Active], sampling: SamplingParams) -> tuple[DraftBlock, Tensor]:
+        r = len(states)
+        if self.drafter is None:
+            empty = DraftBlock(tokens=torch.zeros(r, 0, dtype=torch.long), lengths=torch.zeros(r, dtype=torch.long))
+            return empty, empty.lengths
+        room = [min(self.drafter.gamma, s.max_new_tokens - len(s.output) - 1,
+                    self.context_limit - len(s.history) - 1) for s in states]
+        ctx = DraftContext(
+            request_ids=[s.request_id for s in states],
+            histories=[torch.tensor(s.history, dtype=torch.long) for s in states],
+            max_tokens=torch.tensor([max(0, m) for m in room], dtype=torch.long),
+            sampling=sampling,
+            generators=[s.generator for s in states],
+        )
+        block = self.drafter.draft(ctx)
+        block_lengths = torch.minimum(block.lengths.to(torch.long), ctx.max_tokens)
+        if block.tokens.shape[1] == 0:
+            return block, block_lengths
+        confidence = self.confidence.estimate(block)
+        confidence = self.calibrator.apply(confidence)
+        lengths = self.scheduler.schedule(confidence, block_lengths)
+        return block, torch.minimum(lengths.to(torch.long), block_lengths)
+
+    @staticmethod
+    def _uniforms(states: list[_Active], lengths: Tensor, g: int) -> Tensor:
+        # Exactly ℓ_r + 1 pairs per request from its own generator, so a seeded request's stream
+        # does not depend on how long its batch-mates' blocks are.
+        out = torch.zeros(len(states), g + 1, 2, dtype=torch.float64)
+        for r, s in enumerate(states):
+            n = int(lengths[r]) + 1
+            out[r, :n] = torch.rand(n, 2, generator=s.generator, dtype=torch.float64)
+        return out
+
+    def _commit(self, s: _Active, drafts: Tensor, verified: int, drafted: int, accepted: int,
+                next_token: int) -> StreamEvent:
+        start = len(s.history) - 1  # the anchor's position
+        # Keep the anchor and the accepted drafts; everything the pass wrote past them is dropped.
+        self.cache.advance(s.slot, start + 1 + accepted)
+        s.stats.record_round(verified, accepted, drafted)
+        proposed = [*drafts[:accepted].tolist(), next_token]
+        remaining = s.max_new_tokens - len(s.output)
+        room = self.context_limit - len(s.history)
+        kept, reason = apply_token_stops(proposed, s.eos_ids, remaining, room)
+        before = len(s.output)
+        s.history.extend(kept)
+        s.stats.emitted = len(s.output)
+        if s.stats.first_token is None and kept:
+            s.stats.first_token = time.perf_counter()
+        text_cut = None
+        if s.stops:
+            hit = find_stop_string(s.output, s.stops, self.target.decode, before)
+            if hit is not None:
+                n_keep, text_cut = hit
+                del s.history[s.prompt_len + n_keep :]
+                s.stats.emitted = len(s.output)
+                reason = FinishReason.STOP
+        text = self.target.decode(s.output)
+        if text_cut is not None:
+            text = text[:text_cut]
+        # Hold back a trailing partial character until the bytes that complete it arrive.
+        stable = text if reason is not None else text.rstrip("\ufffd")
+        delta, s.text = stable[len(s.text):], stable
+        new_ids = tuple(s.output[before:])
+        if reason is not None:
+            return self._finish(s, reason, None, new_ids, delta)
+        return StreamEvent(s.request_id, new_ids, delta)
+
+    def _finish(self, s: _Active, reason: str, error: str | None, new_ids: tuple[int, ...] = (),
+                delta: str = "") -> StreamEvent:
+        s.finish_reason = reason
+        s.stats.finished = time.perf_counter()
+        self._active.remove(s)
+        self.cache.free(s.slot)
+        if self.drafter is not None:
+            self.drafter.release(s.request_id)
+        self._outputs[s.request_id] = RequestOutput(
+            s.request_id, s.history[: s.prompt_len], list(s.output), s.text, reason, s.stats, error
+        )
+        return StreamEvent(s.request_id, new_ids, delta, True, reason, error)
+
+    def _fail(self, rid: int, prompt: list[int], error: str) -> StreamEvent:
+        self._outputs[rid] = RequestOutput(rid, prompt, [], "", FinishReason.ERROR, RequestStats(), error)
+        return StreamEvent(rid, (), "", True, FinishReason.ERROR, error)
+
+    # -- driving ---------------------------------------------------------------------------------
+
+    def stream(self, requests: Iterable[GenerationRequest]) -> Iterator[StreamEvent]:
+        """Submit ``requests`` and yield events until every request has finished."""
+        for request in requests:
+            self.submit(request)
+        while self.busy:
+            yield from self.step()
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> list[RequestOutput]:
+        """Run to completion; outputs in submission order."""
+        ids = [self.submit(r) for r in requests]
+        for _ in self.stream(()):
+            pass
+        return [self._outputs.pop(i) for i in ids]
+
+    def output(self, request_id: int) -> RequestOutput:
+        return self._outputs[request_id]
+
+
+def _select(sampling: SamplingParams, rows: list[int]) -> SamplingParams:
+    return SamplingParams(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows])

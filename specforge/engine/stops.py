@@ -1,0 +1,54 @@
+"""Stop conditions applied to the tokens a round commits (SPEC §4: truncate inside the block)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from specforge.engine.request import FinishReason
+
+__all__ = ["apply_token_stops", "find_stop_string"]
+
+
+def apply_token_stops(
+    tokens: Sequence[int], eos_ids: frozenset[int], remaining: int, room: int
+) -> tuple[list[int], str | None]:
+    """Cut a round's committed tokens at the first EOS (kept, as Hugging Face does), at the
+    ``remaining`` max-new-token budget, or at the context ``room``; return the kept tokens and
+    why the request finished (``None`` if it goes on)."""
+    kept: list[int] = []
+    for token in tokens:
+        if len(kept) == remaining:
+            return kept, FinishReason.LENGTH
+        if len(kept) == room:
+            return kept, FinishReason.CONTEXT
+        kept.append(token)
+        if token in eos_ids:
+            return kept, FinishReason.EOS
+    if len(kept) == remaining:
+        return kept, FinishReason.LENGTH
+    if len(kept) == room:
+        return kept, FinishReason.CONTEXT
+    return kept, None
+
+
+def find_stop_string(
+    tokens: Sequence[int], stops: Sequence[str], decode: Callable[[Sequence[int]], str], start: int
+) -> tuple[int, int] | None:
+    """Locate the earliest stop string that ends in tokens ``start:`` of the output.
+
+    Returns ``(tokens_to_keep, text_length_to_keep)``: the output keeps the tokens up to the one
+    that completes the stop string and the text before the stop string, or ``None``.
+    """
+    if not stops:
+        return None
+    text = decode(tokens)
+    hits = [(text.find(s), s) for s in stops if s and s in text]
+    if not hits:
+        return None
+    cut, stop = min(hits)
+    end = cut + len(stop)
+    # The fewest tokens whose text already contains the whole stop string.
+    for n in range(max(start, 1), len(tokens) + 1):
+        if len(decode(tokens[:n])) >= end and stop in decode(tokens[:n]):
+            return n, cut
+    return len(tokens), cut

@@ -1,0 +1,74 @@
+"""The target's KV cache: one preallocated tensor per layer, one slot per request.
+
+Each request owns a slot; its keys and values for positions 0..length-1 live at
+``k[layer, slot, :, :length]``.  Rolling back after a rejection is only moving ``length`` back
+(:meth:`KVCache.crop`): entries past it are never read and are overwritten by the next pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["CacheFullError", "KVCache"]
+
+
+class CacheFullError(RuntimeError):
+    """No free slot, or a write past a slot's capacity."""
+
+
+class KVCache:
+    def __init__(
+        self,
+        n_layers: int,
+        slots: int,
+        n_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (n_layers, slots, n_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.lengths = [0] * slots
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @property
+    def slots(self) -> int:
+        return len(self.lengths)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise CacheFullError(f"all {self.slots} cache slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} is already free")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def update(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write ``k``/``v`` ``[N, Hkv, D]`` of N tokens at their (slot, position)."""
+        self.k[layer, slots, :, positions] = k
+        self.v[layer, slots, :, positions] = v
+
+    def advance(self, slot: int, length: int) -> None:
+        """Declare positions ``0..length-1`` of ``slot`` valid (after a pass wrote them)."""
+        if length > self.capacity:
+            raise CacheFullError(f"slot {slot}: length {length} exceeds the capacity {self.capacity}")
+        self.lengths[slot] = length
+
+    def crop(self, slot: int, length: int) -> None:
+        """Roll ``slot`` back to its first ``length`` positions."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"slot {slot}: cannot crop to {length} (length {self.lengths[slot]})")
+        self.lengths[slot] = length

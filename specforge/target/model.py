@@ -1,0 +1,152 @@
+"""The runtime transformer: a compact decoder over flattened variable-length batches.
+
+Weights come from a loaded Hugging Face model (whose own forward stays available as the reference
+oracle).  Projections are fused — q/k/v into one matrix, gate/up into another — so a layer is four
+matmuls over all N new tokens of the batch, whatever request they belong to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specforge.target.args import ModelArgs
+from specforge.target.batch import VarlenBatch
+from specforge.target.cache import KVCache
+from specforge_kernels.varlen_attention import varlen_attention
+
+__all__ = ["ForwardOutput", "Transformer"]
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: Tensor | None  # [M, V] float32 for the requested rows, or None
+    hidden: Tensor  # [N, d] final (normed) hidden state of every token
+    taps: dict[int, Tensor]  # layer index -> [N, d] residual stream after that layer
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # Statistics in float32 as the Hugging Face reference does, so bf16 runs agree with it.
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding in the "rotate half" layout of Hugging Face checkpoints."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _norm_weight(norm: nn.Module, args: ModelArgs) -> nn.Parameter:
+    # Kept in float32 with Gemma's (1 + w) folded in: norms are tiny and their statistics are
+    # computed in float32 anyway.
+    return nn.Parameter(norm.weight.detach().float() + args.norm_offset, requires_grad=False)
+
+
+class Layer(nn.Module):
+    def __init__(self, args: ModelArgs, hf_layer: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args = args
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.attn_norm = _norm_weight(hf_layer.input_layernorm, args)
+        self.mlp_norm = _norm_weight(hf_layer.post_attention_layernorm, args)
+        self.wqkv = nn.Parameter(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach().to(dtype), requires_grad=False)
+        self.bqkv = None
+        if args.qkv_bias:
+            self.bqkv = nn.Parameter(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().to(dtype), requires_grad=False)
+        self.wo = nn.Parameter(attn.o_proj.weight.detach().to(dtype), requires_grad=False)
+        if args.qk_norm:
+            self.q_norm = _norm_weight(attn.q_norm, args)
+            self.k_norm = _norm_weight(attn.k_norm, args)
+        self.w13 = nn.Parameter(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().to(dtype), requires_grad=False)
+        self.w2 = nn.Parameter(mlp.down_proj.weight.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x: Tensor, batch: VarlenBatch, cache: KVCache, layer: int, cos: Tensor, sin: Tensor) -> Tensor:
+        a = self.args
+        n = x.shape[0]
+        h = rms_norm(x, self.attn_norm, a.norm_eps)
+        qkv = F.linear(h, self.wqkv, self.bqkv)
+        q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        q = qkv[:, :q_size].view(n, a.n_heads, a.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(n, a.n_kv_heads, a.head_dim)
+        v = qkv[:, q_size + kv_size :].view(n, a.n_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q = rms_norm(q, self.q_norm, a.norm_eps)
+            k = rms_norm(k, self.k_norm, a.norm_eps)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        cache.update(layer, batch.token_slots, batch.positions, k, v)
+        o = varlen_attention(
+            q, cache.k[layer], cache.v[layer], batch.cu_seqlens, batch.slots, batch.start_pos,
+            a.attention_scale,
+        )
+        x = x + F.linear(o.reshape(n, q_size), self.wo)
+        h = rms_norm(x, self.mlp_norm, a.norm_eps)
+        gate, up = F.linear(h, self.w13).chunk(2, dim=-1)
+        act = F.silu(gate) if a.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return x + F.linear(act * up, self.w2)
+
+
+class Transformer(nn.Module):
+    """Decoder over :class:`VarlenBatch` passes with an explicit :class:`KVCache`."""
+
+    def __init__(self, args: ModelArgs, hf_model: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args = args
+        self.dtype = dtype
+        body = hf_model.model
+        self.embed = nn.Parameter(body.embed_tokens.weight.detach().to(dtype), requires_grad=False)
+        self.layers = nn.ModuleList(Layer(args, layer, dtype) for layer in body.layers)
+        self.norm = _norm_weight(body.norm, args)
+        head = hf_model.get_output_embeddings().weight
+        self.lm_head = self.embed if head is body.embed_tokens.weight else \
+            nn.Parameter(head.detach().to(dtype), requires_grad=False)
+        rotary = body.rotary_emb  # the checkpoint's own RoPE variant (default, llama3, yarn, …)
+        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.embed_scale = torch.tensor(args.embed_scale, dtype=dtype)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, None, :]
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
+        return cos, sin
+
+    def new_cache(self, slots: int, capacity: int, device: torch.device | str = "cpu") -> KVCache:
+        a = self.args
+        return KVCache(a.n_layers, slots, a.n_kv_heads, capacity, a.head_dim, self.dtype, device)
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        x = F.embedding(tokens, self.embed)
+        return x * self.embed_scale if self.args.embed_scale != 1.0 else x
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """Final hidden states → float32 logits (the frozen LM head)."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def forward(
+        self,
+        batch: VarlenBatch,
+        cache: KVCache,
+        logits_rows: Tensor | None = None,
+        taps: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """Run one pass: write the batch's K/V into ``cache`` and return what was asked for.
+
+        ``logits_rows`` selects the flat rows whose logits are needed (``None``: none), so a
+        prefill never pays for the LM head.  ``taps`` lists layers whose outputs to return.
+        The caller advances the cache lengths once it knows which tokens it keeps.
+        """
+        cos, sin = self.rope(batch.positions)
+        x = self.embed_tokens(batch.tokens)
+        tapped: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, cache, i, cos, sin)
+            if i in taps:
+                tapped[i] = x
+        hidden = rms_norm(x, self.norm, self.args.norm_eps)
+        logits = None if logits_rows is None else self.project(hidden[logits_rows])
+        return ForwardOutput(logits=logits, hidden=hidden, taps=tapped)
