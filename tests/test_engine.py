@@ -1,0 +1,212 @@
+"""The engine end to end on a tiny real checkpoint: parity with HF greedy, stops, isolation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specforge_conformance.drafters as test_drafters
+from specforge.config import EngineConfig, SamplingConfig
+from specforge.engine import Engine, FinishReason, GenerationRequest
+from specforge.plugins import PluginHost
+from specforge.target import TargetModel
+from tiny_models import tiny_model
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def host():
+    host = PluginHost(autoload=False).load()
+    host.add_plugin(test_drafters, "test-drafters")
+    return host
+
+
+@pytest.fixture(scope="module")
+def target():
+    # No EOS id: generations run to their limit (tests that need one set it explicitly).
+    return TargetModel(tiny_model("llama", seed=7, vocab=VOCAB, eos=None), None, torch.float32)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        base = torch.randint(2, VOCAB, (4 + i % 5,), generator=gen).tolist()
+        out.append(base * 3)  # repetition gives the n-gram drafter something to find
+    return out
+
+
+def make_engine(target, host, drafter=None, verifier="rejection", batch=8, temperature=0.0, **kw):
+    parts = {}
+    if drafter is not None:
+        name, cfg = drafter
+        parts = dict(
+            drafter=host.create_drafter(name, cfg),
+            confidence=host.create_confidence("constant", {}),
+            calibrator=host.create_calibrator("identity", {}),
+            scheduler=host.create_scheduler("fixed", {}),
+        )
+    return Engine(target, host.create_verifier(verifier), **parts,
+                  sampling=SamplingConfig(temperature=temperature, max_new_tokens=24),
+                  engine=EngineConfig(max_batch=batch, max_context=kw.get("context", 256)))
+
+
+def hf_greedy(target, ids, n):
+    """Hugging Face greedy ``generate`` of exactly n tokens (the tiny model has no EOS, so
+    nothing stops it early; ``min_new_tokens`` would instead forbid EOS and change the argmax)."""
+    out = target.hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == len(ids) + n
+    return out[0, len(ids):].tolist()
+
+
+DRAFTERS = [None, ("ngram", {"gamma": 4}), ("random", {"gamma": 3}), ("random", {"gamma": 5, "deterministic": True})]
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS, ids=["plain", "ngram", "random", "random-onehot"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_parity_with_hf_generate(target, host, drafter, batch):
+    ps = prompts(6)
+    engine = make_engine(target, host, drafter, batch=batch)
+    outs = engine.generate([GenerationRequest(prompt_ids=p, ignore_eos=True) for p in ps])
+    for p, out in zip(ps, outs):
+        assert out.token_ids == hf_greedy(target, p, 24)
+        assert out.finish_reason == FinishReason.LENGTH
+    if drafter is not None and drafter[0] == "random":
+        assert sum(o.stats.verified - o.stats.accepted for o in outs) > 0  # rejections happened
+
+
+@pytest.mark.parametrize("verifier", ["greedy", "match"])
+def test_other_lossless_verifiers_at_temperature_zero(target, host, verifier):
+    ps = prompts(3, seed=5)
+    outs = make_engine(target, host, ("ngram", {}), verifier=verifier).generate(
+        [GenerationRequest(prompt_ids=p, ignore_eos=True) for p in ps])
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, 24) for p in ps]
+
+
+def test_stats_are_consistent(target, host):
+    outs = make_engine(target, host, ("random", {"gamma": 3})).generate(
+        [GenerationRequest(prompt_ids=p, ignore_eos=True) for p in prompts(4)])
+    for o in outs:
+        s = o.stats
+        assert s.emitted == len(o.token_ids) == 24
+        assert s.accepted <= s.verified <= s.drafted
+        assert s.accepted_per_position[0] <= s.verified_per_position[0] == s.rounds or s.verified == 0
+        assert abs(s.tau - (s.accepted + s.rounds) / s.rounds) < 1e-12
+
+
+def test_seeded_sampling_does_not_depend_on_batch_mates(target, host):
+    p = prompts(1, seed=11)[0]
+    alone = make_engine(target, host, ("random", {"gamma": 3}), temperature=1.0).generate(
+        [GenerationRequest(prompt_ids=p, seed=42, ignore_eos=True)])[0]
+    crowd = make_engine(target, host, ("random", {"gamma": 3}), temperature=1.0).generate(
+        [GenerationRequest(prompt_ids=q, seed=i, ignore_eos=True) for i, q in enumerate(prompts(3, 2))]
+        + [GenerationRequest(prompt_ids=p, seed=42, ignore_eos=True)])[-1]
+    assert alone.token_ids == crowd.token_ids
+
+
+def test_streamed_events_add_up_to_the_output(target, host):
+    engine = make_engine(target, host, ("ngram", {}))
+    reqs = [GenerationRequest(prompt_ids=p, ignore_eos=True, request_id=10 + i) for i, p in enumerate(prompts(3))]
+    seen: dict[int, list[int]] = {}
+    finished = set()
+    for ev in engine.stream(reqs):
+        assert ev.request_id not in finished
+        seen.setdefault(ev.request_id, []).extend(ev.token_ids)
+        if ev.finished:
+            finished.add(ev.request_id)
+    assert finished == {10, 11, 12}
+    for rid, tokens in seen.items():
+        assert engine.output(rid).token_ids == tokens
+
+
+def greedy_tokens(target, host, p, n=24):
+    return make_engine(target, host).generate([GenerationRequest(prompt_ids=p, ignore_eos=True,
+                                                                 max_new_tokens=n)])[0].token_ids
+
+
+def test_eos_inside_an_accepted_block_truncates_there(target, host):
+    p = prompts(1, seed=3)[0]
+    full = greedy_tokens(target, host, p)
+    eos = full[5]
+    cut = full.index(eos)
+    target_eos = TargetModel(target.hf_model, None, torch.float32)
+    target_eos.eos_ids = frozenset({eos})
+    for drafter in (None, ("ngram", {"gamma": 8}), ("random", {"gamma": 8})):
+        out = make_engine(target_eos, host, drafter).generate([GenerationRequest(prompt_ids=p)])[0]
+        assert out.token_ids == full[: cut + 1] and out.finish_reason == FinishReason.EOS
+
+
+def test_max_new_tokens_inside_a_block(target, host):
+    p = prompts(1, seed=4)[0]
+    full = greedy_tokens(target, host, p)
+    for n in (1, 2, 7):
+        out = make_engine(target, host, ("random", {"gamma": 5})).generate(
+            [GenerationRequest(prompt_ids=p, max_new_tokens=n, ignore_eos=True)])[0]
+        assert out.token_ids == full[:n] and out.finish_reason == FinishReason.LENGTH
+
+
+def test_stop_string_truncates_tokens_and_text(target, host):
+    p = prompts(1, seed=6)[0]
+    full = greedy_tokens(target, host, p)
+    # Without a tokenizer the engine's text is the ids joined by spaces.
+    stop = f"{full[3]} {full[4]}"
+    out = make_engine(target, host, ("ngram", {})).generate(
+        [GenerationRequest(prompt_ids=p, stop=[stop], ignore_eos=True)])[0]
+    assert out.finish_reason == FinishReason.STOP
+    assert out.token_ids == full[:5]
+    assert out.text == " ".join(map(str, full[:3])) + " "
+
+
+def test_context_limit_stops_a_request(target, host):
+    p = prompts(1)[0]
+    out = make_engine(target, host, ("ngram", {"gamma": 6}), context=len(p) + 5).generate(
+        [GenerationRequest(prompt_ids=p, ignore_eos=True)])[0]
+    assert out.finish_reason == FinishReason.CONTEXT and len(out.token_ids) == 5
+
+
+def test_a_failing_request_does_not_stop_the_others(target, host):
+    ps = prompts(3)
+    engine = make_engine(target, host, ("ngram", {}), context=64)
+    reqs = [GenerationRequest(prompt_ids=ps[0], ignore_eos=True),
+            GenerationRequest(prompt_ids=list(range(2, 80)), ignore_eos=True),  # longer than the context
+            GenerationRequest(prompt_ids=[VOCAB + 5], ignore_eos=True),  # not in the vocabulary
+            GenerationRequest(prompt_ids=ps[2], ignore_eos=True)]
+    outs = engine.generate(reqs)
+    assert "context limit is 64" in outs[1].error and outs[1].finish_reason == FinishReason.ERROR
+    assert "outside the vocabulary" in outs[2].error
+    assert outs[0].token_ids == hf_greedy(target, ps[0], 24)
+    assert outs[3].token_ids == hf_greedy(target, ps[2], 24)
+
+
+class _NaNDrafter(test_drafters.RandomDrafter):
+    """Reports a NaN law for request id 1 only."""
+
+    def draft(self, ctx):
+        block = super().draft(ctx)
+        probs = block.probs.clone()
+        for r, rid in enumerate(ctx.request_ids):
+            if rid == 1:
+                probs[r, 0, 0] = float("nan")
+        return type(block)(tokens=block.tokens, lengths=block.lengths, probs=probs)
+
+
+def test_non_finite_draft_law_fails_only_its_request(target, host):
+    ps = prompts(3)
+    engine = Engine(target, host.create_verifier("rejection"), drafter=_NaNDrafter(),
+                    confidence=host.create_confidence("constant", {}),
+                    calibrator=host.create_calibrator("identity", {}),
+                    scheduler=host.create_scheduler("fixed", {}),
+                    sampling=SamplingConfig(temperature=0.0, max_new_tokens=24))
+    outs = engine.generate([GenerationRequest(prompt_ids=p, ignore_eos=True, request_id=i)
+                            for i, p in enumerate(ps)])
+    assert outs[1].finish_reason == FinishReason.ERROR and "not finite" in outs[1].error
+    assert outs[0].token_ids == hf_greedy(target, ps[0], 24)
+    assert outs[2].token_ids == hf_greedy(target, ps[2], 24)
+
+
+def test_more_requests_than_slots_are_queued(target, host):
+    ps = prompts(7)
+    outs = make_engine(target, host, ("ngram", {}), batch=2).generate(
+        [GenerationRequest(prompt_ids=p, ignore_eos=True) for p in ps])
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, 24) for p in ps]

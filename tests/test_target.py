@@ -1,0 +1,176 @@
+"""The runtime transformer against the Hugging Face forward (the oracle), on real tiny checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specforge.target import (
+    TargetLoadError,
+    TargetModel,
+    UnsupportedModelError,
+    VarlenBatch,
+)
+from tiny_models import FAMILIES, save_tiny, tiny_model
+
+# fp32, same weights, different fusion of the projections: agreement to float rounding.  Gemma's
+# sqrt(d)-scaled embeddings make its logits larger, hence a relative term.
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def target(request, tmp_path_factory):
+    path = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
+    return TargetModel.load(str(path), "float32")
+
+
+def prefill_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
+    cache = target.new_cache(1, 128)
+    batch = VarlenBatch.build([ids], [0], [0])
+    return target.forward(batch, cache, logits_rows=torch.arange(len(ids))).logits
+
+
+def test_prefill_matches_the_hf_forward(target):
+    ids = torch.randint(0, target.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = prefill_logits(target, ids)
+    ref = target.reference_logits(ids)
+    assert torch.allclose(ours, ref, atol=TOL, rtol=1e-5), (ours - ref).abs().max()
+
+
+def test_incremental_extension_matches_one_prefill(target):
+    ids = torch.randint(0, target.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    cache = target.new_cache(2, 128)
+    pieces, start, rows = [ids[:11], ids[11:12], ids[12:20], ids[20:21], ids[21:]], 0, []
+    for piece in pieces:
+        out = target.forward(VarlenBatch.build([piece], [1], [start]), cache,
+                             logits_rows=torch.arange(len(piece)))
+        cache.advance(1, start + len(piece))
+        start += len(piece)
+        rows.append(out.logits)
+    assert torch.allclose(torch.cat(rows), target.reference_logits(ids), atol=TOL, rtol=1e-5)
+
+
+def test_varlen_batch_equals_each_request_alone_and_has_no_padding(target):
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, target.vocab_size, (n,), generator=gen).tolist() for n in (7, 19, 3)]
+    news = [torch.randint(0, target.vocab_size, (n,), generator=gen).tolist() for n in (1, 5, 3)]
+    cache = target.new_cache(4, 128)
+    slots = [3, 0, 2]  # not in request order, on purpose
+    target.forward(VarlenBatch.build(prompts, slots, [0, 0, 0]), cache)
+    batch = VarlenBatch.build(news, slots, [len(p) for p in prompts])
+    assert batch.num_tokens == sum(len(n) for n in news)  # no padding tokens in the pass
+    assert batch.tokens.tolist() == [t for n in news for t in n]
+    out = target.forward(batch, cache, logits_rows=torch.arange(batch.num_tokens))
+    for r, (prompt, new) in enumerate(zip(prompts, news)):
+        alone = prefill_logits(target, prompt + new)[len(prompt):]
+        rows = out.logits[int(batch.cu_seqlens[r]) : int(batch.cu_seqlens[r + 1])]
+        assert torch.allclose(rows, alone, atol=TOL, rtol=1e-5)
+
+
+def test_rollback_equals_a_fresh_prefill(target):
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, target.vocab_size, (12,), generator=gen).tolist()
+    drafts = torch.randint(0, target.vocab_size, (6,), generator=gen).tolist()
+    cache = target.new_cache(1, 128)
+    target.forward(VarlenBatch.build([ids[:-1]], [0], [0]), cache)
+    cache.advance(0, len(ids) - 1)
+    # Verify [anchor, 6 drafts]; keep 2 accepted drafts, then a correction token.
+    target.forward(VarlenBatch.build([[ids[-1], *drafts]], [0], [len(ids) - 1]), cache,
+                   logits_rows=torch.arange(7))
+    cache.advance(0, len(ids) + 6)  # the pass wrote anchor + 6 drafts
+    cache.crop(0, len(ids) + 2)
+    committed = ids + drafts[:2] + [5]
+    nxt = target.forward(VarlenBatch.build([[5]], [0], [len(committed) - 1]), cache,
+                         logits_rows=torch.tensor([0])).logits[0]
+    assert torch.allclose(nxt, target.reference_logits(committed)[-1], atol=TOL, rtol=1e-5)
+
+
+def test_taps_and_hidden_state(target):
+    ids = list(range(1, 9))
+    cache = target.new_cache(1, 64)
+    out = target.forward(VarlenBatch.build([ids], [0], [0]), cache, taps=(0, 2))
+    ref = target.hf_model(torch.tensor([ids]), output_hidden_states=True)
+    # HF's hidden_states[i + 1] is the output of layer i; the last one is after the final norm.
+    assert torch.allclose(out.taps[0], ref.hidden_states[1][0], atol=TOL)
+    assert torch.allclose(out.hidden, ref.hidden_states[-1][0], atol=TOL)
+    assert set(out.taps) == {0, 2}
+
+
+def test_bfloat16_runtime_stays_close(tmp_path):
+    path = save_tiny("llama", tmp_path / "m")
+    ids = list(range(3, 30))
+    fp32 = prefill_logits(TargetModel.load(str(path), "float32"), ids)
+    bf16 = prefill_logits(TargetModel.load(str(path), "bfloat16"), ids)
+    assert bf16.dtype == torch.float32  # logits are always handed out in float32
+    assert (fp32.argmax(-1) == bf16.argmax(-1)).float().mean() > 0.8
+    assert torch.allclose(fp32.softmax(-1), bf16.softmax(-1), atol=0.05)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_unknown_path_is_one_clear_error():
+    with pytest.raises(TargetLoadError, match="no model at 'no/such/model'.*embedded name"):
+        TargetModel.load("no/such/model")
+
+
+def test_directory_without_safetensors_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(TargetLoadError, match="pickled .bin checkpoints are refused"):
+        TargetModel.load(str(tmp_path))
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported.*llama"):
+        TargetModel.load(str(tmp_path))
+
+
+def test_gguf_of_an_unsupported_architecture(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "odd.gguf"
+    writer = GGUFWriter(str(path), "bert")  # an architecture transformers' GGUF loader lacks
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(TargetLoadError, match="odd.gguf.*bert"):
+        TargetModel.load(str(path))
+
+
+def test_a_checkpoint_missing_weights_is_refused_not_randomly_filled(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny("llama", tmp_path / "m")
+    weights = load_file(path / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TargetLoadError, match="missing weights.*layers.1.mlp.down_proj"):
+        TargetModel.load(str(path))
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "weights.pt"
+    path.write_bytes(b"x")
+    with pytest.raises(TargetLoadError, match="must be a .gguf"):
+        TargetModel.load(str(path))
+
+
+def test_embedded_model_resolves_without_network():
+    from specforge.target.loading import resolve_model
+
+    directory, name = resolve_model("smollm2")
+    assert (directory / name).is_file() and name.endswith(".gguf")
+
+
+def test_reference_oracle_is_the_unchanged_hf_model():
+    model = tiny_model("llama")
+    target = TargetModel(model, None, torch.float32)
+    assert target.hf_model is model

@@ -1,0 +1,47 @@
+"""Tiny random-weight checkpoints of the supported families, saved as real HF directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "qwen3", "gemma")
+
+
+def tiny_config(family: str, vocab: int = 96, eos: int = 1):
+    from transformers import GemmaConfig, LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=eos, bos_token_id=0, pad_token_id=0,
+    )
+    if family == "llama":
+        return LlamaConfig(**common, head_dim=16, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=16, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if family == "gemma":
+        return GemmaConfig(**common, head_dim=16, hidden_activation="gelu_pytorch_tanh")
+    raise ValueError(family)
+
+
+def tiny_model(family: str, seed: int = 0, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=torch.float32)
+    with torch.no_grad():
+        # Larger-than-default weights give peaked next-token laws, so greedy decoding has clear
+        # winners and speculative drafts are sometimes right.
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.25)
+    return model.eval()
+
+
+def save_tiny(family: str, directory: Path, seed: int = 0, **kwargs) -> Path:
+    tiny_model(family, seed, **kwargs).save_pretrained(directory, safe_serialization=True)
+    return directory
