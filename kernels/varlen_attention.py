@@ -98,7 +98,11 @@ def _check(
             f"start_pos {start_pos.shape[0]} entries"
         )
 
-    meta = torch.cat([cu_seqlens.long(), slots.long(), start_pos.long()]).tolist()
+    parts = [cu_seqlens.long(), slots.long(), start_pos.long()]
+    if cu_seqlens.device == slots.device == start_pos.device:
+        meta = torch.cat(parts).tolist()  # one device-to-host transfer, not three
+    else:
+        meta = [x for t in parts for x in t.tolist()]
     cu, sl, sp = meta[: n_req + 1], meta[n_req + 1 : 2 * n_req + 1], meta[2 * n_req + 1 :]
     if cu[0] != 0 or cu[-1] != n_tokens:
         raise ValueError(f"cu_seqlens must run from 0 to N={n_tokens}, got {cu[0]}..{cu[-1]}")
@@ -135,8 +139,9 @@ def varlen_attention_reference(
 
     One ``scaled_dot_product_attention`` per request on 4-D views of its slot — the cache is
     never copied.  4-D matters: torch's CPU flash kernel takes only 4-D inputs (3-D ones fall
-    back to the unfused math path, measured ~2x slower on these shapes) and it reads the GQA
-    group from ``enable_gqa`` without expanding K/V.  A single-token run attends every key of
+    back to the unfused math path, measured ~2x slower on these shapes), and with
+    ``enable_gqa`` it maps query heads to kv heads itself, without expanding K/V (the math path
+    would repeat them).  A single-token run attends every key of
     its slice, so it needs no mask at all.
     """
     cu, sl, sp = _check(q, k_cache, v_cache, cu_seqlens, slots, start_pos)
@@ -202,7 +207,7 @@ if triton is not None:
         head = tl.program_id(2)
 
         # int64 throughout the address arithmetic: slot * stride_ks overflows int32 for large
-        # caches (32 slots x 8 heads x 32k positions x 128 dims is already 2^30).
+        # caches (64 slots x 8 heads x 32k positions x 128 dims is 2^31 elements per layer).
         row0 = tl.load(CU + req).to(tl.int64)
         n = tl.load(CU + req + 1).to(tl.int64) - row0
         m_start = m_block * BLOCK_M
@@ -285,16 +290,22 @@ def _launch_meta(dtype: torch.dtype, head_dim: int, group: int, max_n: int, inte
     # (triton-lang/triton#11584, unsupported upstream): there the operands are upcast first.
     # Compiled kernels keep bfloat16 tensor-core dots.
     dot_in_fp32 = interpreted and dtype == torch.bfloat16
+    fp32 = dtype == torch.float32
+    block_d = max(16, 1 << (head_dim - 1).bit_length())  # dot tiles need a power of two >= 16
     return dict(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
-        BLOCK_N=64 if head_dim <= 128 else 32,  # keep K/V tiles of large heads in registers
-        BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),  # dot tiles need a power of two >= 16
+        # float32 tiles take twice the shared memory of half ones, and the default 3-stage
+        # pipeline of K/V loads would need up to 205 KB for big heads (over sm_80's 163 KB);
+        # smaller key blocks and 2 stages keep every head dim <= 256 within it.
+        BLOCK_N=32 if (fp32 and block_d > 64) or block_d > 128 else 64,
+        BLOCK_D=block_d,
         # float32 inputs get IEEE dots: TF32 would cost ~1e-3 relative error against the twin.
-        DOT_PRECISION="ieee" if dtype == torch.float32 or dot_in_fp32 else "tf32",
+        DOT_PRECISION="ieee" if fp32 or dot_in_fp32 else "tf32",
         DOT_IN_FP32=dot_in_fp32,
         num_warps=4,
+        num_stages=2 if fp32 else 3,
     )
 
 
@@ -327,10 +338,10 @@ def varlen_attention_triton(
     masked).  Validation copies the metadata to the host once (one device sync per call).
     """
     _require_runnable_kernel(q)
-    cu, _, _ = _check(q, k_cache, v_cache, cu_seqlens, slots, start_pos)
     for name, t in (("cu_seqlens", cu_seqlens), ("slots", slots), ("start_pos", start_pos)):
-        if t.device != q.device:
+        if t.device != q.device:  # the kernel dereferences them as device pointers
             raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    cu, _, _ = _check(q, k_cache, v_cache, cu_seqlens, slots, start_pos)
     n_tokens, hq, d = q.shape
     hkv = k_cache.shape[1]
     out = torch.empty((n_tokens, hq, d), dtype=q.dtype, device=q.device)

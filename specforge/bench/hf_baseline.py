@@ -21,7 +21,9 @@ records of :mod:`specforge.bench.vllm_client`, so the engine benchmark can put t
       "tok_s": 22.0,                    # aggregate: new_tokens / wall_s
       "per_request_tok_s": 5.5,         # mean over requests of (its new tokens / its latency)
       "latency_s": {"mean": 23.3, "p50": 23.2, "max": 24.0},   # per-request latency
-      "extra": {...}                    # system-specific (load time, acceptance, ...)
+      "extra": {...}                    # system-specific: loadavg [before, after] (1-min load
+                                        # average: other work on the box skews timings), load or
+                                        # startup time, spec-decode acceptance, ...
     }
 
 A request's latency is the wall time of its round (all requests of a round are submitted
@@ -116,6 +118,14 @@ def rounds_for(n_prompts: int, concurrency: int, min_rounds: int = 2) -> list[li
     return [[(r * concurrency + j) % n_prompts for j in range(concurrency)] for r in range(rounds)]
 
 
+def _loadavg() -> float | None:
+    """1-minute load average: other work on the machine skews the timings."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def summarize(
     round_times: Sequence[float],
     new_tokens: Sequence[Sequence[int]],
@@ -201,6 +211,7 @@ def _measure_one(
     from tqdm.auto import tqdm
 
     plan = rounds_for(len(prompt_ids), concurrency, min_rounds)
+    load_before = _loadavg()
     # warm-up: one short round of the same shape (batch size), untimed
     run_generate(model, [prompt_ids[i] for i in plan[0]], warmup_tokens, pad_id)
     times: list[float] = []
@@ -216,6 +227,10 @@ def _measure_one(
         if keep_tokens:
             tokens.extend({"prompt": i, "tokens": x} for i, x in zip(r, rows))
     rec = summarize(times, counts, ptoks)
+    short = [n for r in counts for n in r if n != max_new_tokens]
+    if short:
+        raise RuntimeError(f"generate stopped early: {len(short)} rows made {short[:4]} tokens, not {max_new_tokens}")
+    rec["extra"] = {"loadavg": [load_before, _loadavg()]}
     if keep_tokens:
         rec["outputs"] = tokens
     return rec
@@ -232,15 +247,20 @@ def bench_hf(
     model: Any = None,
     progress: bool = True,
     keep_tokens: bool = False,
+    threads: int | None = None,
 ) -> list[dict[str, Any]]:
     """Time HF ``generate`` for each dtype × concurrency → a list of result records.
 
     ``prompt_ids`` are the chat-templated prompts as token ids
     (:func:`specforge.bench.prompts.apply_chat_template`).  ``model`` defaults to SmolLM2 from
     the GGUF; it is loaded once in fp32 and cast for the other dtypes.  A dtype that fails (say,
-    bf16 on a CPU without it) yields an ``error`` record rather than an exception.
+    bf16 on a CPU without it) yields an ``error`` record rather than an exception.  ``threads``
+    sets torch's intra-op thread count (default: torch's own, one per core).
     """
     import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     load_s = None
     if model is None:
@@ -274,6 +294,7 @@ def bench_hf(
             except Exception as e:  # noqa: BLE001 - one failing setting must not sink the run
                 rec = {**base, "status": "error", "reason": f"{type(e).__name__}: {e}"}
             rec["extra"] = {
+                **rec.get("extra", {}),
                 "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
                 "load_s": load_s,
@@ -298,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--min-rounds", type=int, default=2)
     ap.add_argument("--keep-tokens", action="store_true", help="include generated token ids")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: one per core)")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args(argv)
 
@@ -306,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ids = [apply_chat_template(tok, p.text) for p in prompts]
     results = bench_hf(
         ids, args.dtype, args.concurrency, args.max_new_tokens, args.min_rounds,
-        pad_id=tok.pad_token_id, keep_tokens=args.keep_tokens,
+        pad_id=tok.pad_token_id, keep_tokens=args.keep_tokens, threads=args.threads,
     )
     doc = {
         "format": "specforge.bench.results",

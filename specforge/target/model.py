@@ -29,8 +29,9 @@ class ForwardOutput:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # Statistics in float32 as the Hugging Face reference does, so bf16 runs agree with it.
-    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+    # The fused kernel accumulates reduced-precision input in float32 itself, so no casts (each
+    # would be one more pass over the activations on every layer).
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -40,10 +41,9 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _norm_weight(norm: nn.Module, args: ModelArgs) -> nn.Parameter:
-    # Kept in float32 with Gemma's (1 + w) folded in: norms are tiny and their statistics are
-    # computed in float32 anyway.
-    return nn.Parameter(norm.weight.detach().float() + args.norm_offset, requires_grad=False)
+def _norm_weight(norm: nn.Module, args: ModelArgs, dtype: torch.dtype) -> nn.Parameter:
+    # Gemma's (1 + w) is folded in float32 before the cast to the model dtype.
+    return nn.Parameter((norm.weight.detach().float() + args.norm_offset).to(dtype), requires_grad=False)
 
 
 class Layer(nn.Module):
@@ -51,16 +51,16 @@ class Layer(nn.Module):
         super().__init__()
         self.args = args
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
-        self.attn_norm = _norm_weight(hf_layer.input_layernorm, args)
-        self.mlp_norm = _norm_weight(hf_layer.post_attention_layernorm, args)
+        self.attn_norm = _norm_weight(hf_layer.input_layernorm, args, dtype)
+        self.mlp_norm = _norm_weight(hf_layer.post_attention_layernorm, args, dtype)
         self.wqkv = nn.Parameter(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach().to(dtype), requires_grad=False)
         self.bqkv = None
         if args.qkv_bias:
             self.bqkv = nn.Parameter(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().to(dtype), requires_grad=False)
         self.wo = nn.Parameter(attn.o_proj.weight.detach().to(dtype), requires_grad=False)
         if args.qk_norm:
-            self.q_norm = _norm_weight(attn.q_norm, args)
-            self.k_norm = _norm_weight(attn.k_norm, args)
+            self.q_norm = _norm_weight(attn.q_norm, args, dtype)
+            self.k_norm = _norm_weight(attn.k_norm, args, dtype)
         self.w13 = nn.Parameter(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().to(dtype), requires_grad=False)
         self.w2 = nn.Parameter(mlp.down_proj.weight.detach().to(dtype), requires_grad=False)
 
@@ -70,13 +70,15 @@ class Layer(nn.Module):
         h = rms_norm(x, self.attn_norm, a.norm_eps)
         qkv = F.linear(h, self.wqkv, self.bqkv)
         q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-        q = qkv[:, :q_size].view(n, a.n_heads, a.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(n, a.n_kv_heads, a.head_dim)
         v = qkv[:, q_size + kv_size :].view(n, a.n_kv_heads, a.head_dim)
         if a.qk_norm:
-            q = rms_norm(q, self.q_norm, a.norm_eps)
-            k = rms_norm(k, self.k_norm, a.norm_eps)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            q = rms_norm(qkv[:, :q_size].view(n, a.n_heads, a.head_dim), self.q_norm, a.norm_eps)
+            k = rms_norm(qkv[:, q_size : q_size + kv_size].view(n, a.n_kv_heads, a.head_dim), self.k_norm, a.norm_eps)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        else:
+            # q and k heads side by side in one view: a single set of rotation kernels for both.
+            qk = rotate(qkv[:, : q_size + kv_size].view(n, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin)
+            q, k = qk[:, : a.n_heads], qk[:, a.n_heads :]
         cache.update(layer, batch.token_slots, batch.positions, k, v)
         o = varlen_attention(
             q, cache.k[layer], cache.v[layer], batch.cu_seqlens, batch.slots, batch.start_pos,
@@ -99,7 +101,7 @@ class Transformer(nn.Module):
         body = hf_model.model
         self.embed = nn.Parameter(body.embed_tokens.weight.detach().to(dtype), requires_grad=False)
         self.layers = nn.ModuleList(Layer(args, layer, dtype) for layer in body.layers)
-        self.norm = _norm_weight(body.norm, args)
+        self.norm = _norm_weight(body.norm, args, dtype)
         head = hf_model.get_output_embeddings().weight
         self.lm_head = self.embed if head is body.embed_tokens.weight else \
             nn.Parameter(head.detach().to(dtype), requires_grad=False)

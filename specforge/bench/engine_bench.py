@@ -1,0 +1,206 @@
+"""``specforge bench engine``: the engine against HF ``generate`` and vLLM's CPU build, one run.
+
+Every system decodes the same chat-templated prompts greedily for exactly ``max_new_tokens``
+tokens (EOS ignored), ``c`` requests at a time.  Speeds are only compared as ratios inside one
+run, because these machines are noisy: ``vs_hf`` divides by HF ``generate`` at concurrency 1 in the
+same dtype, ``vs_engine_ar`` by the engine's plain decoding at the same concurrency.
+
+Records share the format of :mod:`specforge.bench.hf_baseline` (``system``, ``variant``,
+``concurrency``, ``tok_s`` …); the whole result is JSON, a table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from specforge.bench.hf_baseline import bench_hf, rounds_for, summarize
+from specforge.bench.prompts import apply_chat_template, select_prompts
+from specforge.config import EngineConfig, SamplingConfig
+from specforge.engine import Engine, GenerationRequest
+from specforge.plugins import get_host
+from specforge.target import TargetModel
+
+__all__ = ["ENGINE_VARIANTS", "bench_engine_variant", "run_engine_benchmark", "table", "plot"]
+
+# variant -> drafter (name, config) or None for plain decoding
+ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
+    "plain": None,
+    "ngram": ("ngram", {"gamma": 5, "max_ngram": 3, "min_ngram": 1}),
+}
+
+
+def _engine(target: TargetModel, variant: str, concurrency: int, max_new_tokens: int) -> Engine:
+    host = get_host()
+    spec = ENGINE_VARIANTS[variant]
+    parts: dict[str, Any] = {}
+    if spec is not None:
+        parts = dict(
+            drafter=host.create_drafter(*spec),
+            confidence=host.create_confidence("constant", {}),
+            calibrator=host.create_calibrator("identity", {}),
+            scheduler=host.create_scheduler("fixed", {}),
+        )
+    return Engine(
+        target, host.create_verifier("greedy"), **parts,
+        sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens),
+        engine=EngineConfig(max_batch=concurrency, max_context=4096),
+    )
+
+
+def bench_engine_variant(
+    target: TargetModel,
+    prompt_ids: Sequence[Sequence[int]],
+    variant: str,
+    concurrency: int,
+    max_new_tokens: int = 128,
+    min_rounds: int = 2,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Time the engine: rounds of ``concurrency`` requests submitted together."""
+    from tqdm.auto import tqdm
+
+    engine = _engine(target, variant, concurrency, max_new_tokens)
+    plan = rounds_for(len(prompt_ids), concurrency, min_rounds)
+
+    def requests(indices: Sequence[int], n: int) -> list[GenerationRequest]:
+        return [GenerationRequest(prompt_ids=prompt_ids[i], max_new_tokens=n, ignore_eos=True) for i in indices]
+
+    engine.generate(requests(plan[0], 8))  # warm-up of the same batch shape, untimed
+    times, counts, ptoks, stats = [], [], 0, []
+    for indices in tqdm(plan, desc=f"specforge {variant} c={concurrency}", unit="round",
+                        disable=not progress, file=sys.stderr):
+        t0 = time.perf_counter()
+        outs = engine.generate(requests(indices, max_new_tokens))
+        times.append(time.perf_counter() - t0)
+        counts.append([len(o.token_ids) for o in outs])
+        ptoks += sum(len(prompt_ids[i]) for i in indices)
+        stats.extend(o.stats for o in outs)
+    record = {"system": "specforge", "variant": variant, "dtype": str(target.dtype).replace("torch.", ""),
+              "concurrency": concurrency, "status": "ok", "reason": None}
+    record.update(summarize(times, counts, ptoks))
+    rounds = sum(s.rounds for s in stats)
+    record["extra"] = {
+        "tau": round((sum(s.accepted for s in stats) + rounds) / rounds, 4) if rounds else None,
+        "verified": sum(s.verified for s in stats),
+        "accepted": sum(s.accepted for s in stats),
+    }
+    return record
+
+
+def add_ratios(records: list[dict[str, Any]]) -> None:
+    """``vs_hf`` (÷ HF generate at c=1, same dtype) and ``vs_engine_ar`` (÷ engine plain, same c)."""
+    hf = {r["dtype"]: r["tok_s"] for r in records
+          if r["system"] == "hf-generate" and r["concurrency"] == 1 and r.get("tok_s")}
+    ar = {r["concurrency"]: r["tok_s"] for r in records
+          if r["system"] == "specforge" and r["variant"] == "plain" and r.get("tok_s")}
+    for r in records:
+        if not r.get("tok_s"):
+            continue
+        base = hf.get(r.get("dtype"))
+        r["vs_hf"] = round(r["tok_s"] / base, 3) if base else None
+        base = ar.get(r["concurrency"])
+        r["vs_engine_ar"] = round(r["tok_s"] / base, 3) if base else None
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    head = f"{'system':<12} {'variant':<8} {'dtype':<9} {'c':>3} {'tok/s':>8} {'per-req':>8} {'vs HF':>6} {'vs AR':>6}  note"
+    lines = [head, "-" * len(head)]
+    for r in records:
+        def f(v, spec=".1f"):
+            return format(v, spec) if isinstance(v, (int, float)) else "—"
+        note = r.get("reason") or (f"tau={r['extra']['tau']}" if r.get("extra", {}).get("tau") else "")
+        lines.append(
+            f"{r['system']:<12} {r['variant']:<8} {str(r.get('dtype')):<9} {r['concurrency']:>3} "
+            f"{f(r.get('tok_s')):>8} {f(r.get('per_request_tok_s')):>8} {f(r.get('vs_hf'), '.2f'):>6} "
+            f"{f(r.get('vs_engine_ar'), '.2f'):>6}  {note}"
+        )
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> Path:
+    """Aggregate tokens/s against concurrency, one line per system and variant (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        if r.get("tok_s"):
+            series.setdefault(f"{r['system']} {r['variant']} ({r['dtype']})", []).append((r["concurrency"], r["tok_s"]))
+    for label, points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("aggregate tokens / s")
+    ax.set_title("SmolLM2-135M-Instruct, greedy, measured in one run")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def run_engine_benchmark(
+    datasets: Sequence[str],
+    n_prompts: int,
+    concurrency: Sequence[int],
+    max_new_tokens: int = 128,
+    dtype: str = "bfloat16",
+    systems: Sequence[str] = ("hf", "specforge", "vllm"),
+    per_dataset: Sequence[str] = (),
+    eval_directory: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    target = TargetModel.load("smollm2", dtype)
+    picked = select_prompts(datasets, n_prompts, directory=eval_directory)
+    prompt_ids = [apply_chat_template(target.tokenizer, p.text) for p in picked]
+    records: list[dict[str, Any]] = []
+    if "hf" in systems:
+        # HF at concurrency 1 is the baseline every ratio divides by; the engine's own weights
+        # are a separate copy, so this measures transformers' generate unchanged.
+        records.extend(bench_hf(prompt_ids, dtypes=[dtype], concurrencies=[1],
+                                max_new_tokens=max_new_tokens, progress=progress))
+    if "specforge" in systems:
+        for c in concurrency:
+            for variant in ENGINE_VARIANTS:
+                records.append(bench_engine_variant(target, prompt_ids, variant, c, max_new_tokens,
+                                                    progress=progress))
+    if "vllm" in systems:
+        from specforge.bench.vllm_client import bench_vllm
+
+        records.extend(bench_vllm(prompt_ids, concurrencies=list(concurrency),
+                                  max_new_tokens=max_new_tokens, dtype=dtype, progress=progress))
+    add_ratios(records)
+    by_dataset = {}
+    for name in per_dataset:
+        ids = [apply_chat_template(target.tokenizer, p.text)
+               for p in select_prompts([name], n_prompts, directory=eval_directory)]
+        plain = bench_engine_variant(target, ids, "plain", 1, max_new_tokens, progress=progress)
+        ngram = bench_engine_variant(target, ids, "ngram", 1, max_new_tokens, progress=progress)
+        by_dataset[name] = {"plain_tok_s": plain["tok_s"], "ngram_tok_s": ngram["tok_s"],
+                            "ngram_over_ar": round(ngram["tok_s"] / plain["tok_s"], 3),
+                            "tau": ngram["extra"]["tau"]}
+    return {
+        "model": "SmolLM2-135M-Instruct",
+        "dtype": dtype,
+        "max_new_tokens": max_new_tokens,
+        "datasets": list(datasets),
+        "prompts": [p.to_dict() for p in picked],
+        "records": records,
+        "per_dataset_ngram": by_dataset,
+    }
+
+
+def save(result: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "engine.json"
+    path.write_text(json.dumps(result, indent=2))
+    return path, plot(result["records"], out / "engine.png")
