@@ -45,3 +45,18 @@ def tiny_model(family: str, seed: int = 0, **kwargs):
 def save_tiny(family: str, directory: Path, seed: int = 0, **kwargs) -> Path:
     tiny_model(family, seed, **kwargs).save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def save_tokenizer(directory: Path, vocab: int = 96) -> Path:
+    """A real word-level tokenizer ("w0" … "w{vocab-1}", id = number) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w0", eos_token="w1", unk_token="w2",
+                                   pad_token="w0")
+    fast.chat_template = "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
+    fast.save_pretrained(directory)
+    return directory

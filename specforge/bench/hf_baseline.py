@@ -178,20 +178,20 @@ def run_generate(
     from transformers import GenerationConfig
 
     ids, mask = _batch(prompt_ids, pad_id)
-    # eos_token_id=None: never stop early, like vLLM's ignore_eos, so every row makes exactly
-    # max_new_tokens tokens.  A fresh GenerationConfig keeps the model's sampling defaults out.
-    cfg = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=None,
-        eos_token_id=None,
-        pad_token_id=pad_id,
-        num_beams=1,
-    )
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
-        dt = time.perf_counter() - t0
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id, num_beams=1)
+    # Never stop at EOS, like vLLM's ignore_eos, so every row makes exactly max_new_tokens
+    # tokens.  generate() fills every field left None from model.generation_config, so EOS has
+    # to be unset there (for the duration of the call).
+    model_cfg = model.generation_config
+    saved_eos = model_cfg.eos_token_id
+    model_cfg.eos_token_id = None
+    try:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+            dt = time.perf_counter() - t0
+    finally:
+        model_cfg.eos_token_id = saved_eos
     new = out[:, ids.shape[1]:]
     return [row.tolist() for row in new], dt
 
