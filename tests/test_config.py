@@ -17,7 +17,7 @@ def write(tmp_path, name, text):
 
 
 def test_every_preset_validates():
-    assert {"default", "greedy", "scheduled"} <= set(preset_names())
+    assert {"default", "greedy", "scheduled", "ngram"} <= set(preset_names())
     for name in preset_names():
         load_pipeline(name)
 

@@ -10,7 +10,8 @@ order:
   batch of ``c`` consecutive prompts mixes the sets.
 
 The eval directory is, in order: the ``eval_dir`` argument, ``$SPECFORGE_EVAL_DIR``, then
-``/work/shared/eval``.
+``shared/eval`` beside the repository checkout (where the project keeps its shared files; CI lays
+a copy there too).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ __all__ = [
     "select_prompts",
 ]
 
-DEFAULT_EVAL_DIR = Path("/work/shared/eval")
+# <checkout>/specforge/bench/prompts.py -> <checkout>/../shared/eval
+DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[3] / "shared" / "eval"
 
 
 class PromptError(ValueError):
