@@ -30,4 +30,12 @@ def test_wheel_contains_every_entry_point_module_and_preset(tmp_path):
         path = module.replace(".", "/")
         assert f"{path}.py" in names or f"{path}/__init__.py" in names, module
     assert "specforge/presets/default.yaml" in names
+    # Every module of the source tree ships (plugins/, kernels/, conformance/ under their import
+    # names), so a package added without listing it in pyproject.toml fails here.
+    mapping = {"specforge": "specforge", "plugins": "specforge_plugins", "kernels": "specforge_kernels",
+               "conformance": "specforge_conformance"}
+    for src, pkg in mapping.items():
+        for module in (REPO / src).rglob("*.py"):
+            rel = module.relative_to(REPO / src).as_posix()
+            assert f"{pkg}/{rel}" in names, f"{src}/{rel} is missing from the wheel"
     assert parser["console_scripts"]["specforge"] == "specforge.cli:main"
