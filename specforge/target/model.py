@@ -41,6 +41,30 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+class Projection:
+    """``y = x Wᵀ (+ b)`` with the weight pre-packed for oneDNN when that is faster.
+
+    On CPUs, bf16/fp16 weights in oneDNN's blocked layout run the small matmuls of decoding
+    (a handful of rows against a 576-wide layer) about 1.5× faster than ``F.linear`` re-packing
+    them on every call.  Elsewhere (CUDA, float32, no oneDNN) this is plain ``F.linear``.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self.packed = None
+        if (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+                and torch.backends.mkldnn.is_available()):
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            except (RuntimeError, AttributeError):  # a build without the op: stay on F.linear
+                self.packed = None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 def _norm_weight(norm: nn.Module, args: ModelArgs, dtype: torch.dtype) -> nn.Parameter:
     # Gemma's (1 + w) is folded in float32 before the cast to the model dtype.
     return nn.Parameter((norm.weight.detach().float() + args.norm_offset).to(dtype), requires_grad=False)
@@ -63,12 +87,16 @@ class Layer(nn.Module):
             self.k_norm = _norm_weight(attn.k_norm, args, dtype)
         self.w13 = nn.Parameter(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().to(dtype), requires_grad=False)
         self.w2 = nn.Parameter(mlp.down_proj.weight.detach().to(dtype), requires_grad=False)
+        self.qkv_proj = Projection(self.wqkv, self.bqkv)
+        self.o_proj = Projection(self.wo)
+        self.up_proj = Projection(self.w13)
+        self.down_proj = Projection(self.w2)
 
     def forward(self, x: Tensor, batch: VarlenBatch, cache: KVCache, layer: int, cos: Tensor, sin: Tensor) -> Tensor:
         a = self.args
         n = x.shape[0]
         h = rms_norm(x, self.attn_norm, a.norm_eps)
-        qkv = F.linear(h, self.wqkv, self.bqkv)
+        qkv = self.qkv_proj(h)
         q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         v = qkv[:, q_size + kv_size :].view(n, a.n_kv_heads, a.head_dim)
         if a.qk_norm:
@@ -84,11 +112,11 @@ class Layer(nn.Module):
             q, cache.k[layer], cache.v[layer], batch.cu_seqlens, batch.slots, batch.start_pos,
             a.attention_scale,
         )
-        x = x + F.linear(o.reshape(n, q_size), self.wo)
+        x = x + self.o_proj(o.reshape(n, q_size))
         h = rms_norm(x, self.mlp_norm, a.norm_eps)
-        gate, up = F.linear(h, self.w13).chunk(2, dim=-1)
+        gate, up = self.up_proj(h).chunk(2, dim=-1)
         act = F.silu(gate) if a.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return x + F.linear(act * up, self.w2)
+        return x + self.down_proj(act * up)
 
 
 class Transformer(nn.Module):
