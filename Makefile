@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all docs install vllm clean
+.PHONY: demo test test-all docs conformance install vllm clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The conformance suite's fast tier on every registered pipeline, then its power on the controls.
+conformance: $(STAMP)
+	$(BIN)/specforge conformance
+	$(BIN)/specforge conformance --controls
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict

@@ -1,24 +1,159 @@
 """Negative controls: deliberately lossy components that the conformance suite must reject.
 
-None of them is reachable through an entry point.  A test registers them by hand::
+None of them is reachable through an entry point; the suite registers this module by hand when it
+proves its power (``specforge conformance --controls``)::
 
     host = PluginHost(autoload=False)
     host.add_plugin(specforge_conformance.controls, "controls")
-    scheduler = host.create_scheduler("retrospective-global", {"sps": [1.0, 0.5, 0.45]})
 
-Each control documents the bug it simulates and which check is expected to catch it.  The single
-hook implementation per kind at the bottom of this module registers all controls of that kind.
+Every control *claims* to be correct (a lossless verifier, a pre-token confidence) — the bug is in
+the mechanism, where only the statistics can see it.  Each simulates a mistake that real
+speculative-decoding code has made, and :data:`CONTROL_CASES` names the pipeline in which it is
+run: the smallest one that contains the bug.
 """
 
 from __future__ import annotations
 
+import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from specforge import hookimpl
+from specforge.components import DraftBlock, VerifyOutput
+from specforge.sampling import SamplingParams, sample_with_uniform
+from specforge_conformance.drafters import RandomDrafter, RandomDrafterConfig
 from specforge_plugins.schedulers.admission import admission_path, global_count
 from specforge_plugins.schedulers.hardware_aware import HardwareConfig
+from specforge_plugins.verifiers._base import VerifyInputs, accepted_prefix, gather_at
+from specforge_plugins.verifiers.rejection import RejectionConfig, RejectionVerifier
 
-__all__ = ["GlobalSearchScheduler"]
+__all__ = [
+    "CONTROL_CASES",
+    "BonusDroppedVerifier",
+    "BonusWrongRowVerifier",
+    "GlobalSearchScheduler",
+    "ResampleTargetVerifier",
+    "SampledTokenConfidence",
+    "SharedUniformVerifier",
+    "WrongTemperatureDrafter",
+]
+
+
+# --- verifiers --------------------------------------------------------------------------------
+
+
+class ResampleTargetVerifier(RejectionVerifier):
+    """After a rejection, emits a fresh sample of p instead of norm(max(p − q, 0)).
+
+    Tokens the drafter over-proposes are then emitted twice over: once when accepted and again
+    from p after someone else's rejection.
+    """
+
+    def residual(self, p: Tensor, q: Tensor | None, x: Tensor) -> Tensor:
+        return p
+
+
+class _RejectionMechanics(RejectionVerifier):
+    """The rejection rule written out, so that controls can break one step of it."""
+
+    def accept_uniforms(self, inputs: VerifyInputs) -> Tensor:
+        return inputs.uniforms[:, : inputs.gamma, 0]
+
+    def emission(self, p: Tensor, inputs: VerifyInputs, n: Tensor) -> tuple[Tensor, Tensor]:
+        """(accepted count, law of the emitted token) given the accepted prefix length ``n``."""
+        rows = torch.arange(p.shape[0])
+        law = p[rows, n]
+        if inputs.gamma > 0:
+            k = n.clamp(max=inputs.gamma - 1)
+            q = None if inputs.probs is None else inputs.probs[rows, k]
+            rejected = (n < inputs.lengths).unsqueeze(-1)
+            law = torch.where(rejected, self.residual(law, q, inputs.tokens[rows, k]), law)
+        return n, law
+
+    def _verify(self, inputs: VerifyInputs, sampling: SamplingParams) -> VerifyOutput:
+        p = self.target_probs(inputs, sampling)
+        g = inputs.gamma
+        a = self.accept_probability(p[:, :g], inputs.probs, inputs.tokens)
+        n = accepted_prefix(self.accept_uniforms(inputs) < a, inputs.valid)
+        n, law = self.emission(p, inputs, n)
+        rows = torch.arange(p.shape[0])
+        return VerifyOutput(num_accepted=n, next_token=sample_with_uniform(law, inputs.uniforms[rows, n, 1]))
+
+
+class SharedUniformVerifier(_RejectionMechanics):
+    """Uses one uniform for every position of a block: acceptances become correlated (a request
+    that accepted x_1 with a small u accepts x_2 too), so the joint law of the block is wrong even
+    though each position's marginal acceptance probability is right."""
+
+    def accept_uniforms(self, inputs: VerifyInputs) -> Tensor:
+        return inputs.uniforms[:, :1, 0].expand(-1, inputs.gamma)
+
+
+class BonusWrongRowVerifier(_RejectionMechanics):
+    """When every verified draft is accepted, draws the bonus from row ℓ−1 (the law of x_ℓ)
+    instead of row ℓ (the law after x_ℓ): an off-by-one in the flattened logits."""
+
+    def emission(self, p: Tensor, inputs: VerifyInputs, n: Tensor) -> tuple[Tensor, Tensor]:
+        n, law = super().emission(p, inputs, n)
+        rows = torch.arange(p.shape[0])
+        wrong = (n == inputs.lengths) & (n > 0)
+        return n, torch.where(wrong.unsqueeze(-1), p[rows, (n - 1).clamp(min=0)], law)
+
+
+class BonusDroppedVerifier(_RejectionMechanics):
+    """Never emits a bonus: a fully accepted block gives back its last draft and ends with a
+    residual draw at that position, as if it had been rejected."""
+
+    def emission(self, p: Tensor, inputs: VerifyInputs, n: Tensor) -> tuple[Tensor, Tensor]:
+        full = (n == inputs.lengths) & (n > 0)
+        n = torch.where(full, n - 1, n)
+        rows = torch.arange(p.shape[0])
+        _, law = super().emission(p, inputs, n)
+        k = n.clamp(max=max(inputs.gamma - 1, 0))
+        if inputs.gamma > 0:
+            q = None if inputs.probs is None else inputs.probs[rows, k]
+            dropped = self.residual(p[rows, n], q, inputs.tokens[rows, k])
+            law = torch.where(full.unsqueeze(-1), dropped, law)
+        return n, law
+
+
+# --- drafters ---------------------------------------------------------------------------------
+
+
+class WrongTemperatureConfig(RandomDrafterConfig):
+    draw_temperature: float = Field(2.0, gt=0, description="temperature the tokens are really drawn at")
+
+
+class WrongTemperatureDrafter(RandomDrafter):
+    """Samples at one temperature and reports q at another (here: at 1): the verifier then
+    corrects for the wrong proposal law."""
+
+    def __init__(self, config: WrongTemperatureConfig | None = None) -> None:
+        super().__init__(config or WrongTemperatureConfig())
+
+    def draw_law(self, logits: Tensor) -> Tensor:
+        return torch.softmax(logits / self.config.draw_temperature, -1)
+
+
+# --- confidence estimators --------------------------------------------------------------------
+
+
+class SampledTokenConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SampledTokenConfidence:
+    """c_k = q_k(x_k), the draft probability of the token actually sampled.  It reads x_k, so a
+    scheduler that stops on it verifies x_k more often when x_k is a likely draft — which biases
+    the output toward the drafter."""
+
+    def __init__(self, config: SampledTokenConfig | None = None) -> None:
+        self.config = config
+
+    def estimate(self, block: DraftBlock) -> Tensor:
+        if block.probs is None:
+            raise ValueError("sampled-q needs the draft law")
+        return gather_at(block.probs, block.tokens).clamp(1e-6, 1 - 1e-6)
 
 
 # --- schedulers -------------------------------------------------------------------------------
@@ -42,7 +177,67 @@ class GlobalSearchScheduler:
         return path.lengths(global_count(path.throughput(self.profile)))
 
 
+# --- the case each control runs in -----------------------------------------------------------
+
+# Each entry: the pipeline (slot -> (name, params)) plus any Case settings that differ from the
+# defaults (T = 1, vocabulary 16, batch 64).  The retrospective scheduler is global over the
+# batch, so a request's own x_1 only sways its admission when it is alone: it runs at batch 1 on
+# Appendix A's step curve, with confidences high enough that admitting two tokens can pay.
+_PROBE = ("random", {"gamma": 3})
+_REST = {"correction_head": ("none", {}), "confidence": ("constant", {}), "calibrator": ("identity", {}),
+         "scheduler": ("fixed", {})}
+
+CONTROL_CASES: dict[str, dict] = {
+    "resample-target": {"pipeline": {**_REST, "drafter": _PROBE, "verifier": ("resample-target", {})}},
+    "wrong-temperature": {"pipeline": {**_REST, "drafter": ("wrong-temperature", {"gamma": 3}),
+                                       "verifier": ("rejection", {})}},
+    "bonus-wrong-row": {"pipeline": {**_REST, "drafter": ("shadow", {"gamma": 2}),
+                                     "verifier": ("bonus-wrong-row", {})}},
+    "bonus-dropped": {"pipeline": {**_REST, "drafter": ("shadow", {"gamma": 2}),
+                                   "verifier": ("bonus-dropped", {})}},
+    # Correlated acceptances only show where acceptance is neither rare nor certain: a small
+    # vocabulary keeps the random probe in that range and the test's degrees of freedom low.
+    "shared-uniform": {"pipeline": {**_REST, "drafter": _PROBE, "verifier": ("shared-uniform", {})}, "vocab": 8},
+    "sampled-q": {"pipeline": {**_REST, "drafter": _PROBE, "confidence": ("sampled-q", {}),
+                               "scheduler": ("threshold", {"theta": 0.3}), "verifier": ("rejection", {})}},
+    "retrospective-global": {
+        "pipeline": {**_REST, "drafter": ("random", {"gamma": 2, "sharpness": 3.0}),
+                     "confidence": ("entropy", {"scale": 2.5}),
+                     "scheduler": ("retrospective-global", {"sps": [1.0, 0.5, 0.45]}),
+                     "verifier": ("rejection", {})},
+        "batch": 1, "vocab": 8,
+    },
+    "typical": {"pipeline": {**_REST, "drafter": _PROBE, "verifier": ("typical", {})}},
+}
+
+
 # --- registration -----------------------------------------------------------------------------
+
+
+@hookimpl
+def specforge_register_verifiers(register):
+    register("resample-target", ResampleTargetVerifier, config=RejectionConfig, lossless=True,
+             description="NEGATIVE CONTROL: samples p instead of the residual after a rejection")
+    register("shared-uniform", SharedUniformVerifier, config=RejectionConfig, lossless=True,
+             description="NEGATIVE CONTROL: one acceptance uniform for all positions of a block")
+    register("bonus-wrong-row", BonusWrongRowVerifier, config=RejectionConfig, lossless=True,
+             description="NEGATIVE CONTROL: bonus token from row ℓ−1 instead of ℓ")
+    register("bonus-dropped", BonusDroppedVerifier, config=RejectionConfig, lossless=True,
+             description="NEGATIVE CONTROL: no bonus token; a full block ends with a residual draw")
+
+
+@hookimpl
+def specforge_register_drafters(register):
+    register("wrong-temperature", WrongTemperatureDrafter, config=WrongTemperatureConfig,
+             provides=("probs", "logits"),
+             description="NEGATIVE CONTROL: samples at one temperature, reports q at another")
+
+
+@hookimpl
+def specforge_register_confidence_estimators(register):
+    register("sampled-q", SampledTokenConfidence, config=SampledTokenConfig, pre_token=True,
+             needs_any=("probs",),
+             description="NEGATIVE CONTROL: c_k = q(x_k) reads the sampled token")
 
 
 @hookimpl

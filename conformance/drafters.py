@@ -1,66 +1,153 @@
-"""Test-only drafters: correct (lossless) but deliberately bad at guessing.
+"""The suite's probe drafter: correct (lossless) but deliberately bad at guessing.
 
-They make rejections happen at every position, which is what exercises rollback, residual
-sampling and correction tokens.  Registered by tests with ``host.add_plugin``, never through an
-entry point.
+``random`` proposes tokens from a random first-order Markov law: the law of slot k is a fixed
+random distribution chosen by k and the previous token x_{k-1} (the anchor for k = 1).  That
+makes it
+
+* a real *sampling* drafter — it reports the law each token was drawn from, so verifiers take the
+  q-path (rejection ratios, residuals) that a deterministic drafter like ``ngram`` never reaches;
+* wrong often enough that rejections happen at every position, which exercises rollback, residual
+  sampling and correction tokens;
+* sequential: q_{k+1}, and so any confidence computed from it, depends on x_k — exactly the
+  dependence that makes a retrospective scheduler lossy (paper Appendix A).
+
+``shadow`` is its opposite: the target's own law, perturbed, so that long prefixes are accepted.
+
+Registered by the conformance suite and by tests with ``host.add_plugin``, never through an entry
+point.
 """
 
 from __future__ import annotations
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
 
 from specforge import hookimpl
 from specforge.components import DraftBlock, DraftContext
 from specforge.sampling import sample_with_uniform
 
-__all__ = ["RandomDrafter", "RandomDrafterConfig"]
+__all__ = ["RandomDrafter", "RandomDrafterConfig", "ShadowDrafter", "ShadowDrafterConfig"]
 
 
 class RandomDrafterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     gamma: int = Field(4, ge=1)
+    sharpness: float = Field(2.0, gt=0, description="scale of the random logits (larger: more peaked)")
+    seed: int = Field(1234, description="seed of the random law table")
     deterministic: bool = Field(
-        False, description="true: propose uniformly random ids but report them as one-hot q"
+        False, description="true: report the proposals as one-hot q (a deterministic drafter, like ngram)"
     )
 
 
 class RandomDrafter:
-    """Proposes i.i.d. tokens from a random law over the vocabulary (fixed per position).
-
-    With ``deterministic=False`` the law is reported as q (a sampling drafter); with ``True`` the
-    ids are chosen pseudo-randomly and q is one-hot (a deterministic drafter, like ``ngram``).
-    """
+    """Draws x_k ~ softmax(table[k, x_{k-1}]) — independent of the request's sampling settings,
+    which is allowed: q only has to be the law the token was actually drawn from."""
 
     feature_layers: tuple[int, ...] = ()
 
     def __init__(self, config: RandomDrafterConfig | None = None) -> None:
         self.config = config or RandomDrafterConfig()
         self.gamma = self.config.gamma
-        self.vocab_size: int | None = None
+        self.table: Tensor | None = None  # [gamma, V, V] logits
 
     def bind(self, target) -> None:
-        self.vocab_size = target.vocab_size
+        v, c = target.vocab_size, self.config
+        gen = torch.Generator().manual_seed(c.seed)
+        self.table = torch.randn(self.gamma, v, v, generator=gen) * c.sharpness
 
     def release(self, request_id: int) -> None:
         pass
 
+    def draw_law(self, logits: Tensor) -> Tensor:
+        """The law the tokens are sampled from (controls override this)."""
+        return torch.softmax(logits, -1)
+
+    def reported_law(self, logits: Tensor) -> Tensor:
+        """The law reported as q."""
+        return torch.softmax(logits, -1)
+
     def draft(self, ctx: DraftContext) -> DraftBlock:
-        if self.vocab_size is None:
+        if self.table is None:
             raise RuntimeError("bind() the drafter to a target first")
-        r, g, v = len(ctx), self.gamma, self.vocab_size
-        # A skewed but full-support law, different at each position, from a fixed seed.
-        law = torch.softmax(torch.randn(g, v, generator=torch.Generator().manual_seed(1234)) * 2, -1)
-        law = law.to(torch.float32).expand(r, g, v).contiguous()
-        u = torch.stack([torch.rand(g, generator=gen, dtype=torch.float64) for gen in ctx.generators]) \
-            if r else torch.empty(0, g, dtype=torch.float64)
-        tokens = sample_with_uniform(law, u)
+        r, g, v = len(ctx), self.gamma, self.table.shape[-1]
+        u = (torch.stack([torch.rand(g, generator=gen, dtype=torch.float64) for gen in ctx.generators])
+             if r else torch.empty(0, g, dtype=torch.float64))
+        prev = ctx.anchor
+        tokens = torch.empty(r, g, dtype=torch.long)
+        logits = torch.empty(r, g, v)
+        for k in range(g):
+            logits[:, k] = self.table[k, prev]
+            tokens[:, k] = sample_with_uniform(self.draw_law(logits[:, k]), u[:, k])
+            prev = tokens[:, k]
         lengths = torch.minimum(torch.full((r,), g, dtype=torch.long), ctx.max_tokens)
-        probs = None if self.config.deterministic else law
-        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, anchor=ctx.anchor)
+        probs = None if self.config.deterministic else self.reported_law(logits)
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=logits, anchor=ctx.anchor)
+
+
+class ShadowDrafterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gamma: int = Field(3, ge=1)
+    temperature: float = Field(1.5, gt=0, description="the target's logits are divided by this")
+    noise: float = Field(0.05, ge=0, lt=1, description="weight of a uniform law mixed in (full support)")
+
+
+class ShadowDrafter:
+    """Drafts from the target's own next-token law, deliberately perturbed: a temperature and
+    a little uniform noise.  Close to p, so most drafts are accepted — the probe that exercises
+    long accepted prefixes and bonus tokens, where ``random`` is rejected almost at once.
+
+    Runs the Hugging Face model over each request's full history (no cache): fine for the tiny
+    reference targets the suite uses, far too slow for a real model.
+    """
+
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, config: ShadowDrafterConfig | None = None) -> None:
+        self.config = config or ShadowDrafterConfig()
+        self.gamma = self.config.gamma
+        self.model = None
+
+    def bind(self, target) -> None:
+        self.model = target.hf_model
+
+    def release(self, request_id: int) -> None:
+        pass
+
+    @torch.inference_mode()
+    def draft(self, ctx: DraftContext) -> DraftBlock:
+        if self.model is None:
+            raise RuntimeError("bind() the drafter to a target first")
+        r, g, c = len(ctx), self.gamma, self.config
+        u = (torch.stack([torch.rand(g, generator=gen, dtype=torch.float64) for gen in ctx.generators])
+             if r else torch.empty(0, g, dtype=torch.float64))
+        tokens = torch.empty(r, g, dtype=torch.long)
+        logits, probs = [], []
+        # Group requests by history length so each group is one rectangular forward.
+        by_len: dict[int, list[int]] = {}
+        for i, h in enumerate(ctx.histories):
+            by_len.setdefault(len(h), []).append(i)
+        out_logits = torch.empty(r, g, self.model.config.vocab_size)
+        for rows in by_len.values():
+            seq = torch.stack([ctx.histories[i] for i in rows])
+            for k in range(g):
+                step = self.model(input_ids=seq, use_cache=False).logits[:, -1].float()
+                out_logits[rows, k] = step
+                law = (1 - c.noise) * torch.softmax(step / c.temperature, -1) + c.noise / step.shape[-1]
+                x = sample_with_uniform(law, u[rows, k])
+                tokens[rows, k] = x
+                seq = torch.cat([seq, x[:, None]], 1)
+        probs = (1 - c.noise) * torch.softmax(out_logits / c.temperature, -1) + c.noise / out_logits.shape[-1]
+        lengths = torch.minimum(torch.full((r,), g, dtype=torch.long), ctx.max_tokens)
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=out_logits / c.temperature,
+                          anchor=ctx.anchor)
 
 
 @hookimpl
 def specforge_register_drafters(register):
-    register("random", RandomDrafter, config=RandomDrafterConfig,
-             description="TEST ONLY: random proposals, so that rejections happen everywhere")
+    register("random", RandomDrafter, config=RandomDrafterConfig, provides=("probs", "logits"),
+             examples=({"gamma": 3}, {"gamma": 5, "sharpness": 1.0}, {"gamma": 2, "sharpness": 3.0}),
+             description="TEST ONLY: random Markov proposals, so that rejections happen everywhere")
+    register("shadow", ShadowDrafter, config=ShadowDrafterConfig, provides=("probs", "logits"),
+             examples=({"gamma": 3}, {"gamma": 4, "temperature": 0.7, "noise": 0.1}),
+             description="TEST ONLY: the target's own law, perturbed, so that most drafts are accepted")

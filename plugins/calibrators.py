@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
@@ -117,9 +117,16 @@ class STSConfig(BaseModel):
     grid_size: int = Field(401, ge=2, description="log-spaced grid points (t = 1 is always added)")
     bins: int = Field(20, ge=1, description="ECE bins")
     path: str | None = Field(None, description="load fitted temperatures from this file at construction")
+    temperatures: list[PositiveFloat] | None = Field(
+        None, description="fitted temperatures t_1..t_G given inline (instead of path)"
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> STSConfig:
+        if self.path is not None and self.temperatures is not None:
+            raise ValueError("give fitted temperatures either inline or as a path, not both")
+        if self.temperatures is not None and not self.temperatures:
+            raise ValueError("temperatures must not be empty")
         if self.t_min >= self.t_max:
             raise ValueError(f"t_min ({self.t_min}) must be below t_max ({self.t_max})")
         return self
@@ -143,6 +150,8 @@ class SequentialTemperatureScaling:
         self.temperatures: Tensor | None = None
         if self.config.path is not None:
             self.load(self.config.path)
+        elif self.config.temperatures is not None:
+            self.temperatures = torch.tensor(self.config.temperatures, dtype=torch.float64)
 
     def _grid(self) -> Tensor:
         c = self.config
@@ -219,4 +228,5 @@ def specforge_register_calibrators(register):
     register("identity", IdentityCalibrator, config=IdentityConfig, trainable=False,
              description="leave confidences unchanged (reports their calibration)")
     register("sts", SequentialTemperatureScaling, config=STSConfig, trainable=True,
+             examples=({"temperatures": [2.0, 0.5, 1.5]}, {"temperatures": [0.3]}),
              description="sequential temperature scaling of the cumulative product (DSpark §3.2.1)")

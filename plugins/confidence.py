@@ -74,6 +74,8 @@ class EntropyConfidence:
 @hookimpl
 def specforge_register_confidence_estimators(register):
     register("constant", ConstantConfidence, config=ConstantConfig, pre_token=True, trainable=False,
+             examples=({"value": 0.3}, {"value": 0.8}),
              description="the same confidence at every position")
     register("entropy", EntropyConfidence, config=EntropyConfig, pre_token=True, trainable=False,
+             needs_any=("logits", "probs"), examples=({}, {"scale": 0.5}),
              description="exp(-entropy of the draft distribution at slot k)")

@@ -26,4 +26,4 @@ class NoCorrection:
 
 @hookimpl
 def specforge_register_correction_heads(register):
-    register("none", NoCorrection, trainable=False, description="no sequential correction (identity)")
+    register("none", NoCorrection, trainable=False, identity=True, description="no sequential correction (identity)")

@@ -28,6 +28,9 @@ def _meta_summary(meta: dict) -> str:
     for key, value in meta.items():
         if key == "description" or value in ((), [], None, ""):
             continue
+        if key == "examples":  # parameter sets for the conformance suite: too long for a table cell
+            parts.append(f"examples={len(value)}")
+            continue
         parts.append(f"{key}={','.join(value) if isinstance(value, list) else value}")
     return " ".join(parts)
 
@@ -230,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--out", default="runs/bench-engine", help="where engine.json and engine.png go")
     eb.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     eb.set_defaults(func=cmd_bench_engine)
+
+    from specforge_conformance.cli import add_parser as add_conformance
+
+    add_conformance(sub)
     return parser
 
 

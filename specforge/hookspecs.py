@@ -25,7 +25,8 @@ function and you call it once per component you provide::
 * ``config`` — a pydantic model with ``extra="forbid"`` describing the component's parameters
   (omit it when there are none).  Unknown keys in a pipeline YAML are rejected against it.
 * ``**metadata`` — validated by the kind's metadata model (see :mod:`specforge.registry`); every
-  kind accepts ``description``.
+  kind accepts ``description`` and ``examples`` (parameter sets the conformance suite tries,
+  each validated against ``config`` at registration; default: the config's defaults).
 
 The host owns ordering, validation and conflicts: a duplicate name is an error that names both
 packages, and a plug-in whose import or registration fails is reported and skipped.  pluggy never
@@ -51,8 +52,10 @@ def specforge_register_drafters(register):
     (warped with :func:`specforge.sampling.warp`), or declare itself deterministic (one-hot q).
 
     Metadata: ``deterministic`` (bool, default ``False``) — the drafter's q is always one-hot;
-    ``parallel`` (bool) — one backbone pass drafts the whole block (a correction head then
-    applies).
+    ``parallel`` (bool) — one backbone pass drafts the whole block; ``provides`` — the
+    :class:`~specforge.components.DraftBlock` fields it fills among ``"probs"``, ``"logits"``,
+    ``"hidden"``; ``uses_correction_head`` (bool) — it runs the pipeline's correction head (if
+    not, only identity heads combine with it).
     """
 
 
@@ -64,7 +67,8 @@ def specforge_register_correction_heads(register):
     the block's logits U_k, the previous draft token x_{k-1} (the anchor for k = 1) and the
     backbone hidden state h_k, and returns biased logits plus its carried state.
 
-    Metadata: ``trainable`` (bool) — the head has weights that the trainer updates.
+    Metadata: ``trainable`` (bool) — the head has weights that the trainer updates;
+    ``identity`` (bool) — it leaves the logits unchanged, so it fits any drafter.
     """
 
 
@@ -77,7 +81,9 @@ def specforge_register_confidence_estimators(register):
     draft distribution q_k and the hidden state h_k — never x_k itself.  This is what keeps every
     scheduler that reads it lossless.
 
-    Metadata: ``pre_token`` (must be ``True`` for a scheduler to trust it), ``trainable``.
+    Metadata: ``pre_token`` (must be ``True`` for a scheduler to trust it), ``trainable``,
+    ``needs_any`` — DraftBlock fields of which it needs at least one (pairs it with drafters
+    that ``provides`` them).
     """
 
 

@@ -61,23 +61,36 @@ class EmptyConfig(BaseModel):
 # --- per-kind metadata ------------------------------------------------------------------------
 
 
+BlockField = Literal["probs", "logits", "hidden"]
+
+
 class _Meta(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     description: str = ""
+    # Parameter sets the conformance suite tries (each validated against the config model at
+    # registration).  Empty: the config's defaults, which must then be complete.
+    examples: tuple[dict[str, Any], ...] = ()
 
 
 class DrafterMeta(_Meta):
     deterministic: bool = False
     parallel: bool = False
+    # DraftBlock fields the drafter fills, so the suite pairs it only with estimators it can feed.
+    provides: tuple[BlockField, ...] = ()
+    # Whether the drafter runs a correction head; if not, only identity heads combine with it.
+    uses_correction_head: bool = False
 
 
 class CorrectionHeadMeta(_Meta):
     trainable: bool = False
+    identity: bool = False  # leaves the logits unchanged (``none``): fits any drafter
 
 
 class ConfidenceMeta(_Meta):
     pre_token: bool = True
     trainable: bool = False
+    # The estimator needs at least one of these DraftBlock fields (empty: needs none).
+    needs_any: tuple[BlockField, ...] = ()
 
 
 class CalibratorMeta(_Meta):
@@ -179,6 +192,11 @@ def make_registration(
         raise RegistrationError(
             f"{kind.label} {name!r}: bad metadata ({problems}); valid keys: {valid}"
         ) from None
+    for i, example in enumerate(meta.examples):
+        try:
+            model.model_validate(example)
+        except ValidationError as exc:
+            raise RegistrationError(f"{kind.label} {name!r}: examples[{i}] is not a valid config: {exc}") from None
     return Registration(kind, name, factory, model, meta, plugin, package, version)
 
 

@@ -25,7 +25,8 @@ def _table(kind: str) -> str:
     for name, reg in host.registry.of_kind(kind).items():
         props = reg.config.model_json_schema().get("properties", {})
         meta = reg.metadata.model_dump(mode="json")
-        flags = ", ".join(f"{k}={v}" for k, v in meta.items() if k != "description" and v not in ([], (), ""))
+        flags = ", ".join(f"{k}={v}" for k, v in meta.items()
+                          if k not in ("description", "examples") and v not in ([], (), ""))
         params = "<br>".join(
             f"`{p}` ({_default(info)}){': ' + info['description'] if info.get('description') else ''}"
             for p, info in props.items()

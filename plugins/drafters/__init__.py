@@ -14,5 +14,6 @@ __all__ = ["NgramConfig", "NgramDrafter"]
 @hookimpl
 def specforge_register_drafters(register):
     register("ngram", NgramDrafter, config=NgramConfig, deterministic=True, parallel=False,
+             examples=({}, {"gamma": 2, "max_ngram": 2}, {"gamma": 7, "min_ngram": 2}),
              description="prompt lookup: propose what followed the most recent earlier "
                          "occurrence of the last n tokens (no model)")
