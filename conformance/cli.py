@@ -40,10 +40,14 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _write(path: str, payload: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2))
+
+
 def _emit(args, payload: dict, text: str) -> None:
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(payload, indent=2))
+        _write(args.out, payload)
     print(json.dumps(payload, indent=2) if args.json else text)
 
 
@@ -64,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         report = run_suite(tier="full" if args.full else "fast", plugins=args.plugin, seed=args.seed + k,
                            n=args.n, progress=_progress, deterministic=not args.no_deterministic)
         reports.append(report)
+        if args.out and args.seeds > 1:  # partial results survive an interrupted long run
+            _write(args.out, {"seeds": [r.to_dict() for r in reports], "passed": all(r.passed for r in reports),
+                              "complete": k + 1 == args.seeds})
         if args.seeds > 1:
             print(f"seed {args.seed + k}: {'passed' if report.passed else 'FAILED'} "
                   f"({report.seconds:.0f} s)", file=sys.stderr)
@@ -106,8 +113,13 @@ def _run_controls(args: argparse.Namespace) -> int:
     from specforge_conformance.power import controls_table, run_controls
 
     seeds = args.seeds or 20
+    def partial(done):
+        if args.out:
+            _write(args.out, {"controls": [r.to_dict() for r in done], "passed": all(r.ok for r in done),
+                              "complete": False})
+
     reports = run_controls(args.controls or None, seeds=seeds, n=args.n or 20_000,
-                           progress=lambda m: print(m, file=sys.stderr))
+                           progress=lambda m: print(m, file=sys.stderr), on_report=partial)
     ok = all(r.ok for r in reports)
     text = controls_table(reports) + f"\n\n{'every control rejected on every seed' if ok else 'SOME CONTROL SURVIVED'}"
     _emit(args, {"controls": [r.to_dict() for r in reports], "passed": ok}, text)

@@ -63,8 +63,10 @@ class ControlReport:
 
 def run_controls(names: Iterable[str] | None = None, seeds: int = 20, n: int = 20_000,
                  alpha: float = CASE_ALPHA, host: PluginHost | None = None,
-                 progress: Callable[[str], None] | None = None) -> list[ControlReport]:
-    """Run each control over ``seeds`` seeds at sample size ``n``."""
+                 progress: Callable[[str], None] | None = None,
+                 on_report: Callable[[list[ControlReport]], None] | None = None) -> list[ControlReport]:
+    """Run each control over ``seeds`` seeds at sample size ``n`` (``on_report`` sees the
+    reports so far after each control, so a long run leaves usable partial results)."""
     host = control_host(host)
     out = []
     for name in names or controls.CONTROL_CASES:
@@ -83,6 +85,8 @@ def run_controls(names: Iterable[str] | None = None, seeds: int = 20, n: int = 2
             name, n, seeds, sum(f.rejects(alpha) for f in fits), lam, df,
             1.0 if any(f.impossible for f in fits) else power(df, lam, alpha),
             min(f.tv for f in fits), max(f.p_value for f in fits)))
+        if on_report:
+            on_report(out)
     return out
 
 

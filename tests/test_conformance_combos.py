@@ -69,3 +69,20 @@ def test_a_component_the_suite_never_saw_enters_through_the_registry():
     chosen, _ = plan(h, TIERS["fast"], plugins=["echo"])
     assert chosen and all(c.scheduler == "echo" for c in chosen)
     assert {c.drafter for c in chosen} >= {"ngram", "random", "shadow"}
+
+
+def test_case_draws_are_reproducible_varied_and_respect_greedy_only():
+    from specforge_conformance.strategies import case_strategy, draw_cases
+
+    h = host()
+    combo = Combination("random", "none", "entropy", "sts", "hw-prefix", "rejection")
+    a = draw_cases(case_strategy(h, combo, 1000), 3, "k1")
+    assert a == draw_cases(case_strategy(h, combo, 1000), 3, "k1")
+    b = draw_cases(case_strategy(h, combo, 1000), 3, "k2")
+    assert a != b and len(a) == 3
+    assert all(c.law().well_conditioned and c.pipeline["scheduler"][0] == "hw-prefix" for c in a + b)
+    # declared examples are what the components get (the drafter's γ may be redrawn)
+    assert all(c.pipeline["scheduler"][1] in [dict(e) for e in h.get("scheduler", "hw-prefix").metadata.examples]
+               for c in a + b)
+    greedy = Combination("ngram", "none", "constant", "identity", "fixed", "greedy")
+    assert all(c.temperature == 0 for c in draw_cases(case_strategy(h, greedy, 1000), 3, "k"))
