@@ -35,26 +35,28 @@ class RandomDrafterConfig(BaseModel):
     gamma: int = Field(4, ge=1)
     sharpness: float = Field(2.0, gt=0, description="scale of the random logits (larger: more peaked)")
     seed: int = Field(1234, description="seed of the random law table")
+    buckets: int = Field(64, ge=1, description="previous tokens share law rows modulo this (bounds memory "
+                                                "for large vocabularies: the table is γ × buckets × V)")
     deterministic: bool = Field(
         False, description="true: report the proposals as one-hot q (a deterministic drafter, like ngram)"
     )
 
 
 class RandomDrafter:
-    """Draws x_k ~ softmax(table[k, x_{k-1}]) — independent of the request's sampling settings,
-    which is allowed: q only has to be the law the token was actually drawn from."""
+    """Draws x_k ~ softmax(table[k, x_{k-1} mod buckets]) — independent of the request's sampling
+    settings, which is allowed: q only has to be the law the token was actually drawn from."""
 
     feature_layers: tuple[int, ...] = ()
 
     def __init__(self, config: RandomDrafterConfig | None = None) -> None:
         self.config = config or RandomDrafterConfig()
         self.gamma = self.config.gamma
-        self.table: Tensor | None = None  # [gamma, V, V] logits
+        self.table: Tensor | None = None  # [gamma, buckets, V] logits
 
     def bind(self, target) -> None:
         v, c = target.vocab_size, self.config
         gen = torch.Generator().manual_seed(c.seed)
-        self.table = torch.randn(self.gamma, v, v, generator=gen) * c.sharpness
+        self.table = torch.randn(self.gamma, min(c.buckets, v), v, generator=gen) * c.sharpness
 
     def release(self, request_id: int) -> None:
         pass
@@ -77,7 +79,7 @@ class RandomDrafter:
         tokens = torch.empty(r, g, dtype=torch.long)
         logits = torch.empty(r, g, v)
         for k in range(g):
-            logits[:, k] = self.table[k, prev]
+            logits[:, k] = self.table[k, prev % self.table.shape[1]]
             tokens[:, k] = sample_with_uniform(self.draw_law(logits[:, k]), u[:, k])
             prev = tokens[:, k]
         lengths = torch.minimum(torch.full((r,), g, dtype=torch.long), ctx.max_tokens)

@@ -198,17 +198,24 @@ class Engine:
         g = int(lengths.max()) if len(states) else 0
         runs = [[s.history[-1], *block.tokens[r, : int(lengths[r])].tolist()] for r, s in enumerate(states)]
         batch = VarlenBatch.build(runs, [s.slot for s in states], [len(s.history) - 1 for s in states])
-        out = self.target.forward(batch, self.cache, logits_rows=torch.arange(batch.num_tokens))
         # Row j of request r lives at flat index cu[r] + j; pad rows past ℓ_r repeat its last row.
+        # The LM head projects exactly these rows, already in [R, γ+1] order: no second copy of
+        # the (large) logits to regroup them, and plain decoding projects just R rows.
         offsets = torch.minimum(torch.arange(g + 1)[None, :], lengths[:, None])
-        logits = out.logits[batch.cu_seqlens[:-1, None] + offsets]
+        rows = (batch.cu_seqlens[:-1, None] + offsets).reshape(-1)
+        out = self.target.forward(batch, self.cache, logits_rows=rows)
+        logits = out.logits.view(len(states), g + 1, -1)
         uniforms = self._uniforms(states, lengths, g)
         tokens = block.tokens[:, :g]
         probs = None if block.probs is None else block.probs[:, :g]
         keep = list(range(len(states)))
         while True:
+            # The [R, γ+1, V] tensors are indexed only once a request has been dropped:
+            # logits[keep] would copy all of the round's logits just to select every row.
+            whole = len(keep) == len(states)
             try:
-                result = self.verifier.verify(logits[keep], tokens[keep], None if probs is None else probs[keep],
+                result = self.verifier.verify(logits if whole else logits[keep], tokens[keep],
+                                              None if probs is None else (probs if whole else probs[keep]),
                                               lengths[keep], _select(sampling, keep), uniforms[keep])
                 break
             except NonFiniteError as exc:  # drop the offending request, verify the rest

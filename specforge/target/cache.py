@@ -2,7 +2,12 @@
 
 Each request owns a slot; its keys and values for positions 0..length-1 live at
 ``k[layer, slot, :, :length]``.  Rolling back after a rejection is only moving ``length`` back
-(:meth:`KVCache.crop`): entries past it are never read and are overwritten by the next pass.
+(:meth:`KVCache.crop`): entries past it are never attended to and are overwritten by the next pass.
+
+Entries past ``length`` are still *read* under a mask by the padded attention path (many requests
+in one SDPA), where a NaN or inf would leak through the masked product.  Stale entries of the same
+request are finite (a non-finite key would already have made its own logits non-finite), so only a
+previous occupant's leftovers can hurt: :meth:`KVCache.free` zeroes what the slot's request wrote.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.lengths = [0] * slots
+        self._written = [0] * slots  # positions 0..written-1 of each slot may hold this request's K/V
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     @property
@@ -50,6 +56,10 @@ class KVCache:
         if slot in self._free:
             raise ValueError(f"slot {slot} is already free")
         self.lengths[slot] = 0
+        if self._written[slot]:
+            self.k[:, slot, :, : self._written[slot]] = 0
+            self.v[:, slot, :, : self._written[slot]] = 0
+            self._written[slot] = 0
         self._free.append(slot)
 
     @property
@@ -60,6 +70,13 @@ class KVCache:
         """Write ``k``/``v`` ``[N, Hkv, D]`` of N tokens at their (slot, position)."""
         self.k[layer, slots, :, positions] = k
         self.v[layer, slots, :, positions] = v
+
+    def note_written(self, slots: list[int], ends: list[int]) -> None:
+        """Record that a pass writes positions below ``ends[i]`` of ``slots[i]`` (host lists)."""
+        written = self._written
+        for slot, end in zip(slots, ends):
+            if end > written[slot]:
+                written[slot] = end
 
     def advance(self, slot: int, length: int) -> None:
         """Declare positions ``0..length-1`` of ``slot`` valid (after a pass wrote them)."""

@@ -16,7 +16,12 @@ from torch import Tensor, nn
 from specforge.target.args import ModelArgs
 from specforge.target.batch import VarlenBatch
 from specforge.target.cache import KVCache
-from specforge_kernels.varlen_attention import varlen_attention
+from specforge_kernels.varlen_attention import (
+    VarlenPlan,
+    plan_varlen_attention,
+    varlen_attention,
+    varlen_attention_planned,
+)
 
 __all__ = ["ForwardOutput", "Transformer"]
 
@@ -92,7 +97,8 @@ class Layer(nn.Module):
         self.up_proj = Projection(self.w13)
         self.down_proj = Projection(self.w2)
 
-    def forward(self, x: Tensor, batch: VarlenBatch, cache: KVCache, layer: int, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, batch: VarlenBatch, cache: KVCache, layer: int, cos: Tensor, sin: Tensor,
+                plan: VarlenPlan | None) -> Tensor:
         a = self.args
         n = x.shape[0]
         h = rms_norm(x, self.attn_norm, a.norm_eps)
@@ -108,10 +114,13 @@ class Layer(nn.Module):
             qk = rotate(qkv[:, : q_size + kv_size].view(n, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin)
             q, k = qk[:, : a.n_heads], qk[:, a.n_heads :]
         cache.update(layer, batch.token_slots, batch.positions, k, v)
-        o = varlen_attention(
-            q, cache.k[layer], cache.v[layer], batch.cu_seqlens, batch.slots, batch.start_pos,
-            a.attention_scale,
-        )
+        if plan is not None:
+            o = varlen_attention_planned(q, cache.k[layer], cache.v[layer], plan, a.attention_scale)
+        else:
+            o = varlen_attention(
+                q, cache.k[layer], cache.v[layer], batch.cu_seqlens, batch.slots, batch.start_pos,
+                a.attention_scale,
+            )
         x = x + self.o_proj(o.reshape(n, q_size))
         h = rms_norm(x, self.mlp_norm, a.norm_eps)
         gate, up = self.up_proj(h).chunk(2, dim=-1)
@@ -137,6 +146,10 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self.embed_scale = torch.tensor(args.embed_scale, dtype=dtype)
+        # Attention of many short runs in one padded SDPA (see plan_varlen_attention): None lets
+        # the planner decide (bf16/fp16 only), False keeps one SDPA per request, which is
+        # batch-invariant bit for bit, True forces the padded path.
+        self.batched_attention: bool | None = None
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -172,9 +185,16 @@ class Transformer(nn.Module):
         """
         cos, sin = self.rope(batch.positions)
         x = self.embed_tokens(batch.tokens)
+        plan = None
+        if not x.is_cuda:
+            # The attention metadata is the same for every layer: check it and copy it to the
+            # host once per pass (the Triton kernel on CUDA reads it on the device instead).
+            plan = plan_varlen_attention(batch.cu_seqlens, batch.slots, batch.start_pos, cache.k[0],
+                                         batch.num_tokens, self.args.n_heads, self.batched_attention)
+            cache.note_written(plan.slots, [s + plan.cu[r + 1] - plan.cu[r] for r, s in enumerate(plan.start)])
         tapped: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, cache, i, cos, sin)
+            x = layer(x, batch, cache, i, cos, sin, plan)
             if i in taps:
                 tapped[i] = x
         hidden = rms_norm(x, self.norm, self.args.norm_eps)

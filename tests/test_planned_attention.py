@@ -1,0 +1,42 @@
+"""The planned attention path: one metadata check per pass, padded SDPA for many short runs."""
+import pytest
+import torch
+
+from specforge_kernels import varlen_attention as va
+
+
+def _case(dtype, runs, slots, starts, S=16, T=256, hq=9, hkv=3, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(S, hkv, T, d, generator=g).to(dtype)
+    vc = torch.randn(S, hkv, T, d, generator=g).to(dtype)
+    q = torch.randn(sum(runs), hq + hkv, d, generator=g).to(dtype)[:, :hq]  # strided, as in the model
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(runs), 0).tolist()])
+    return q, kc, vc, cu, torch.tensor(slots), torch.tensor(starts)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("runs,slots,starts", [
+    ([1] * 16, list(range(16)), [10 + 7 * i for i in range(16)]),      # aligned decode
+    ([3, 1, 6, 2], [5, 0, 9, 3], [50, 100, 20, 70]),                     # gathered verify
+    ([4] * 8, list(range(8)), [30 + 11 * i for i in range(8)]),         # aligned, merged GQA rows
+    ([6], [3], [100]),                                                   # one request verifying
+])
+@pytest.mark.parametrize("batched", [None, True, False])
+def test_planned_matches_reference(dtype, tol, runs, slots, starts, batched):
+    q, kc, vc, cu, sl, sp = _case(dtype, runs, slots, starts)
+    ref = va.varlen_attention_reference(q, kc, vc, cu, sl, sp, 0.125)
+    plan = va.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1], batched)
+    torch.testing.assert_close(va.varlen_attention_planned(q, kc, vc, plan, 0.125), ref, atol=tol, rtol=tol)
+    if batched is False or (batched is None and dtype == torch.float32):
+        assert plan.padded is None  # float32 stays bit-identical to the reference
+        assert torch.equal(va.varlen_attention_planned(q, kc, vc, plan, 0.125), ref)
+
+
+def test_freed_slot_is_cleared_for_the_padded_path():
+    from specforge.target.cache import KVCache
+    cache = KVCache(2, 2, 1, 16, 4, torch.bfloat16)
+    s = cache.allocate()
+    cache.note_written([s], [5])
+    cache.k[:, s, :, :5] = float("nan")
+    cache.free(s)
+    assert torch.isfinite(cache.k).all() and torch.isfinite(cache.v).all()
