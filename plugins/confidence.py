@@ -1,4 +1,4 @@
-"""Shipped confidence estimators: ``constant`` and ``entropy``.
+"""Shipped confidence estimators: ``constant``, ``entropy`` and DSpark's trained ``dspark-head``.
 
 Both are pre-token (SPEC §4): c_k may use what is known before x_k is drawn — here only the
 drafter's distribution at slot k — and never ``block.tokens[:, k]``.  That is what lets a
@@ -7,14 +7,18 @@ scheduler stop on c_k without biasing which tokens get verified.
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from torch import Tensor
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
 
 from specforge import hookimpl
 from specforge.components import DraftBlock
 
-__all__ = ["ConstantConfidence", "ConstantConfig", "EntropyConfidence", "EntropyConfig"]
+__all__ = ["ConstantConfidence", "ConstantConfig", "DSparkConfidence", "DSparkHeadConfig",
+           "EntropyConfidence", "EntropyConfig"]
 
 
 class ConstantConfig(BaseModel):
@@ -71,6 +75,93 @@ class EntropyConfidence:
         return torch.exp(-entropy / self.config.scale).clamp(eps, 1 - eps)
 
 
+class DSparkHeadConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(256, ge=1, description="r: width of the previous-token embedding")
+    embedding: Literal["own", "head"] = Field(
+        "own", description="own: a private V×r table; head: the correction head's W1 (paper eq. 7)")
+    vocab_size: int | None = Field(None, ge=1, description="V; None: taken from the target at bind()")
+    dim: int | None = Field(None, ge=1, description="backbone hidden size d; None: from the target at bind()")
+    weights: str | None = Field(None, description="safetensors file with the head's weights; None: random init")
+    seed: int = 0
+    eps: float = Field(1e-6, gt=0, lt=0.5, description="c_k is clamped into [eps, 1 - eps]")
+
+
+class DSparkConfidence(nn.Module):
+    """c_k = σ(wᵀ[h_k ; E[x_{k−1}]] + b) (SPEC §5, paper §3.2.1 eq. 7), x_0 = the anchor.
+
+    Pre-token by construction: it reads h_k and the *previous* token only.  E is the paper's
+    "Markov embedding" W1 when the drafter ties it to its correction head (``embedding="head"``,
+    :meth:`tie`); by default the head owns its table so that it composes with any correction head
+    (``none`` included) and any drafter that provides hidden states.  A tied table is the head's
+    parameter: it is trained by both losses and saved once, with the correction head.
+    """
+
+    config_model = DSparkHeadConfig
+
+    def __init__(self, config: DSparkHeadConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or DSparkHeadConfig()
+        self.built = False
+        self.__dict__["_tied"] = None  # not a submodule: the tied table stays out of our state_dict
+        if self.config.vocab_size is not None and self.config.dim is not None:
+            self._build(self.config.vocab_size, self.config.dim)
+
+    def bind(self, target: Any) -> None:
+        args = getattr(target, "args", target)
+        if not self.built:
+            self._build(self.config.vocab_size or args.vocab_size, self.config.dim or args.dim)
+
+    def _build(self, vocab: int, dim: int) -> None:
+        self.config = self.config.model_copy(update={"vocab_size": vocab, "dim": dim})  # sizes travel with it
+        r, gen = self.config.rank, torch.Generator().manual_seed(self.config.seed)
+        if self.config.embedding == "own":
+            self.embed = nn.Parameter(torch.randn(vocab, r, generator=gen))
+        self.proj = nn.Linear(dim + r, 1)
+        with torch.no_grad():
+            self.proj.weight.uniform_(-(dim + r) ** -0.5, (dim + r) ** -0.5, generator=gen)
+            self.proj.bias.zero_()  # c = ½ until trained, whatever the inputs' scale
+        self.built = True
+        if self.config.weights:
+            self.load_state_dict(load_file(self.config.weights))
+
+    def tie(self, head: nn.Module) -> None:
+        """Read E from a built correction head's W1 (``embedding="head"`` only)."""
+        if self.config.embedding != "head":
+            raise ValueError("tie() needs embedding='head'")
+        if head.w1.shape[1] != self.config.rank:
+            raise ValueError(f"the head's rank {head.w1.shape[1]} differs from the confidence rank {self.config.rank}")
+        self.__dict__["_tied"] = head
+
+    @property
+    def table(self) -> Tensor:
+        if self.config.embedding == "own":
+            return self.embed
+        if self._tied is None:
+            raise RuntimeError("dspark-head with embedding='head' must be tie()d to a correction head")
+        return self._tied.w1
+
+    def logits(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor:
+        """``hidden [..., d]``, ``prev_tokens [...]`` (x_{k−1}) → pre-sigmoid ``[...]`` (training)."""
+        if not self.built:
+            raise RuntimeError("dspark-head: bind() it to a target (or give vocab_size/dim) first")
+        e = self.table[prev_tokens]
+        return self.proj(torch.cat([hidden.to(e.dtype), e], dim=-1)).squeeze(-1)
+
+    def estimate(self, block: DraftBlock) -> Tensor:
+        if block.hidden is None or block.anchor is None:
+            raise ValueError("dspark-head needs block.hidden and block.anchor")
+        g = block.hidden.shape[1]
+        # x_{k−1}: the anchor for k = 1, else the previous draft token; tokens[:, k] never enters.
+        prev = torch.cat([block.anchor[:, None], block.tokens[:, : g - 1]], dim=1)
+        with torch.no_grad():
+            c = torch.sigmoid(self.logits(block.hidden, prev).float())
+        return c.clamp(self.config.eps, 1 - self.config.eps)
+
+    def save(self, path: str) -> None:
+        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, path)
+
+
 @hookimpl
 def specforge_register_confidence_estimators(register):
     register("constant", ConstantConfidence, config=ConstantConfig, pre_token=True, trainable=False,
@@ -79,3 +170,6 @@ def specforge_register_confidence_estimators(register):
     register("entropy", EntropyConfidence, config=EntropyConfig, pre_token=True, trainable=False,
              needs_any=("logits", "probs"), examples=({}, {"scale": 0.5}),
              description="exp(-entropy of the draft distribution at slot k)")
+    register("dspark-head", DSparkConfidence, config=DSparkHeadConfig, pre_token=True, trainable=True,
+             needs_any=("hidden",), examples=({"rank": 8}, {"rank": 16, "seed": 1}),
+             description="trained sigmoid(w.[h_k ; E[x_{k-1}]] + b) (DSpark confidence head)")

@@ -1,4 +1,6 @@
-"""Shipped correction heads: ``none``, the identity (a parallel drafter drafts unbiased)."""
+"""Shipped correction heads: ``none``, the identity (a parallel drafter drafts unbiased), and
+DSpark's trainable ``markov``, ``gated`` and ``rnn`` heads (SPEC §5; implemented in
+:mod:`specforge_plugins.heads`)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ from typing import Any
 from torch import Tensor
 
 from specforge import hookimpl
+from specforge_plugins.heads import GatedHead, HeadConfig, MarkovHead, RnnHead
 
-__all__ = ["NoCorrection"]
+__all__ = ["GatedHead", "HeadConfig", "MarkovHead", "NoCorrection", "RnnHead"]
 
 
 class NoCorrection:
@@ -27,3 +30,11 @@ class NoCorrection:
 @hookimpl
 def specforge_register_correction_heads(register):
     register("none", NoCorrection, trainable=False, identity=True, description="no sequential correction (identity)")
+    # Examples switch zero_init off so that a conformance run exercises a real, non-zero bias.
+    examples = ({"rank": 8, "zero_init": False}, {"rank": 16, "zero_init": False, "seed": 1})
+    register("markov", MarkovHead, config=HeadConfig, trainable=True, identity=False, examples=examples,
+             description="first-order transition bias W1[x_{k-1}] W2 (DSpark, low rank r)")
+    register("gated", GatedHead, config=HeadConfig, trainable=True, identity=False, examples=examples,
+             description="Markov embedding gated by the backbone state h_k, then W2")
+    register("rnn", RnnHead, config=HeadConfig, trainable=True, identity=False, examples=examples,
+             description="gated recurrence over the block prefix (DSpark RNN head)")

@@ -46,8 +46,9 @@ def accepted_prefix(accepted: Tensor, valid: Tensor) -> Tensor:
 class VerifyInputs:
     """Checked inputs of one ``verify`` call, with every unused slot made harmless.
 
-    ``logits`` has its unused rows (past ℓ_r) replaced by zeros and ``tokens`` its unused slots by
-    id 0, so no garbage there can turn into NaN decisions or out-of-range gathers.  ``probs`` is
+    ``logits`` has its unused rows (past ℓ_r) replaced by zeros when any row is not finite, and
+    ``tokens`` its unused slots by id 0, so no garbage there can turn into NaN decisions or
+    out-of-range gathers.  ``probs`` is
     left as given: its unused rows only ever reach masked-out comparisons.
     """
 
@@ -102,7 +103,11 @@ def prepare(
         raise ValueError(f"request {i}: length {int(lengths[i])} is outside [0, {g}]")
     used = torch.arange(g1, device=device).unsqueeze(0) <= lengths.unsqueeze(1)
     valid = torch.arange(g, device=device).unsqueeze(0) < lengths.unsqueeze(1)
-    check_logits(target_logits, used, "target logits")
+    # One pass decides the common case: if every row sums to a finite number, no row holds NaN or
+    # ±inf, so neither the detailed check nor the sanitising copy below is needed.
+    all_finite = bool(torch.isfinite(target_logits.sum(-1)).all())
+    if not all_finite:
+        check_logits(target_logits, used, "target logits")
 
     tokens = draft_tokens.to(device=device, dtype=torch.long)
     oov = valid & ((tokens < 0) | (tokens >= v))
@@ -117,7 +122,8 @@ def prepare(
         check_probs(draft_probs, valid, "draft probabilities")
 
     return VerifyInputs(
-        logits=torch.where(used.unsqueeze(-1), target_logits, target_logits.new_zeros(())),
+        logits=target_logits if all_finite else torch.where(used.unsqueeze(-1), target_logits,
+                                                            target_logits.new_zeros(())),
         tokens=torch.where(valid, tokens, torch.zeros_like(tokens)),
         probs=draft_probs,
         lengths=lengths,

@@ -1,0 +1,103 @@
+"""Block-drafter checkpoints: one safetensors file of weights plus a JSON config (never pickle).
+
+Layout of a checkpoint directory::
+
+    config.json        {"format", "version", "backbone": {...}, "head": {"name", "config"} | null,
+                        "confidence": {"name", "config"} | null, "drafter": {...}}
+    model.safetensors  "backbone.*", "head.*", "confidence.*" tensors
+
+The target's shared embedding and LM head are not in it (they are the target's).  A confidence
+head tied to the correction head's W1 has no table of its own and is re-tied on load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specforge_plugins.drafters.block.config import BlockDrafterConfig
+from specforge_plugins.drafters.block.model import BlockBackbone
+
+__all__ = ["FORMAT", "VERSION", "load_drafter", "save_drafter"]
+
+FORMAT, VERSION = "specforge-block-drafter", 1
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+
+
+def _classes() -> dict[str, type]:
+    # Imported lazily: the heads live in other plug-in modules that import nothing from here.
+    from specforge_plugins.confidence import DSparkConfidence
+    from specforge_plugins.heads import HEADS
+
+    return {**HEADS, "dspark-head": DSparkConfidence}
+
+
+def _spec(module: nn.Module | None) -> dict[str, Any] | None:
+    if module is None:
+        return None
+    if not module.built:
+        raise ValueError(f"{type(module).__name__} is not built (bind it to the target first)")
+    name = next((n for n, cls in _classes().items() if type(module) is cls), None)
+    if name is None:
+        raise ValueError(f"{type(module).__name__} is not a known head; known: {', '.join(_classes())}")
+    # The built config carries vocab_size/dim; ``weights`` would point outside, so it is dropped.
+    return {"name": name, "config": {**module.config.model_dump(mode="json"), "weights": None}}
+
+
+def save_drafter(directory: str | Path, backbone: BlockBackbone, head: nn.Module | None = None,
+                 confidence: nn.Module | None = None, config: dict[str, Any] | None = None) -> Path:
+    """Write ``backbone`` (+ correction ``head`` + ``confidence`` head) and a drafter-level
+    ``config`` (free-form JSON: γ policy, provenance, …) into ``directory``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {"format": FORMAT, "version": VERSION, "backbone": backbone.config.model_dump(mode="json"),
+            "head": _spec(head), "confidence": _spec(confidence), "drafter": config or {}}
+    json.dumps(meta)  # fail before writing anything if the drafter config is not JSON
+    tensors = {}
+    for prefix, module in (("backbone", backbone), ("head", head), ("confidence", confidence)):
+        if module is not None:
+            tensors.update({f"{prefix}.{k}": v.detach().cpu().contiguous() for k, v in module.state_dict().items()})
+    # Weights first, config last: a directory with a config.json always has its weights.
+    save_file(tensors, str(directory / WEIGHTS), metadata={"format": FORMAT})
+    (directory / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+    return directory
+
+
+def load_drafter(directory: str | Path) -> tuple[BlockBackbone, nn.Module | None, nn.Module | None, dict[str, Any]]:
+    """Read a checkpoint written by :func:`save_drafter`.
+
+    Returns ``(backbone, head, confidence, drafter_config)``; the backbone still needs
+    ``bind(SharedWeights.from_target(target))`` before it runs.
+    """
+    directory = Path(directory)
+    meta = json.loads((directory / CONFIG).read_text())
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{directory}: not a {FORMAT} v{VERSION} checkpoint "
+                         f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
+    tensors = load_file(str(directory / WEIGHTS))
+
+    def part(prefix: str) -> dict[str, Any]:
+        return {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+
+    backbone = BlockBackbone(BlockDrafterConfig.model_validate(meta["backbone"]))
+    backbone.load_state_dict(part("backbone"))  # strict: a missing or extra tensor is an error
+    modules: dict[str, nn.Module | None] = {}
+    for key in ("head", "confidence"):
+        spec = meta.get(key)
+        if spec is None:
+            modules[key] = None
+            continue
+        cls = _classes()[spec["name"]]
+        module = cls(cls.config_model.model_validate(spec["config"]))
+        module.load_state_dict(part(key))
+        modules[key] = module
+    head, confidence = modules["head"], modules["confidence"]
+    if confidence is not None and confidence.config.embedding == "head":
+        if head is None:
+            raise ValueError(f"{directory}: the confidence head is tied to a correction head that is absent")
+        confidence.tie(head)
+    return backbone, head, confidence, meta.get("drafter", {})

@@ -1,0 +1,172 @@
+"""Trainable correction heads of DSpark's sequential stage (SPEC §5, paper §3.1 eq. 4–6).
+
+Each head adds a prefix-dependent bias B_k to the parallel backbone's base logits U_k:
+``p_k(v | x_0, x_<k) ∝ exp(U_k(v) + B_k(x_0, x_<k, v))``.  All three share a low-rank pair
+W1 ∈ R^{V×r} (an embedding of the previous token) and W2 ∈ R^{r×V} (a logit projection):
+
+* ``markov``: B(x_{k−1}, ·) = W1[x_{k−1}] W2 (eq. 5),
+* ``gated``:  B_k = W2(σ(Linear([h_k ; W1[x_{k−1}]])) ⊙ W1[x_{k−1}]),
+* ``rnn``:    z_k = [s_{k−1}; W1[x_{k−1}]; h_k], (g, c, o) = Linear(z_k),
+  s_k = σ(g)⊙s_{k−1} + (1−σ(g))⊙tanh(c), s_0 = 0, B_k = W2 tanh(o) (eq. 6).
+
+x_0 is the anchor.  Every head offers the engine's left-to-right :meth:`step` (the
+:class:`~specforge.components.CorrectionHead` protocol) and a teacher-forced :meth:`forward_train`
+over whole blocks for training; the two agree on the same tokens (tested).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+__all__ = ["HEADS", "GatedHead", "HeadConfig", "MarkovHead", "RnnHead"]
+
+
+class HeadConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(256, ge=1, description="r: width of the W1 embedding and of W2's input")
+    vocab_size: int | None = Field(None, ge=1, description="V; None: taken from the target at bind()")
+    dim: int | None = Field(None, ge=1, description="backbone hidden size d; None: from the target at bind()")
+    weights: str | None = Field(None, description="safetensors file with the head's weights; None: random init")
+    seed: int = Field(0, description="seed of the random initialisation")
+    zero_init: bool = Field(True, description="W2 = 0 at init: the head starts as the identity")
+
+
+class _LowRankHead(nn.Module):
+    """W1/W2 plumbing, lazy building (V and d are often known only from the target) and I/O."""
+
+    config_model = HeadConfig
+    needs_hidden = True  # markov reads only x_{k−1}; gated and rnn also read h_k
+
+    def __init__(self, config: HeadConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or HeadConfig()
+        self.built = False
+        if self.config.vocab_size is not None and (self.config.dim is not None or not self.needs_hidden):
+            self._build(self.config.vocab_size, self.config.dim or 0)
+
+    def bind(self, target: Any) -> None:
+        """Size the head from the target (an adapter or a Transformer exposing ``args``)."""
+        args = getattr(target, "args", target)
+        if not self.built:
+            self._build(self.config.vocab_size or args.vocab_size, self.config.dim or args.dim)
+
+    def _build(self, vocab: int, dim: int) -> None:
+        # Record the sizes in the config, so that a checkpoint's config rebuilds the head alone.
+        self.config = self.config.model_copy(update={"vocab_size": vocab, "dim": dim or None})
+        r = self.config.rank
+        gen = torch.Generator().manual_seed(self.config.seed)
+        # W1 is an embedding (unit-variance rows); W2 sets the bias scale, zero by default so
+        # that training starts from the backbone's own distribution.
+        self.w1 = nn.Parameter(torch.randn(vocab, r, generator=gen))
+        self.w2 = nn.Parameter(torch.zeros(r, vocab) if self.config.zero_init
+                               else torch.randn(r, vocab, generator=gen) / r ** 0.5)
+        self._build_extra(dim, gen)
+        self.built = True
+        if self.config.weights:
+            self.load_state_dict(load_file(self.config.weights))
+
+    def _build_extra(self, dim: int, gen: torch.Generator) -> None:
+        pass
+
+    def _linear(self, fan_in: int, fan_out: int, gen: torch.Generator) -> nn.Linear:
+        lin = nn.Linear(fan_in, fan_out)
+        bound = fan_in ** -0.5  # nn.Linear's default range, drawn from the head's own generator
+        with torch.no_grad():
+            lin.weight.uniform_(-bound, bound, generator=gen)
+            lin.bias.uniform_(-bound, bound, generator=gen)
+        return lin
+
+    def save(self, path: str) -> None:
+        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, path)
+
+    def _check(self, hidden: Tensor | None) -> None:
+        if not self.built:
+            raise RuntimeError(f"{type(self).__name__}: bind() it to a target (or give vocab_size/dim) first")
+        if self.needs_hidden and hidden is None:
+            raise ValueError(f"{type(self).__name__} needs the backbone hidden states h_k")
+
+    def project(self, u: Tensor) -> Tensor:
+        """``[..., r]`` → bias ``[..., V]`` through W2 ∈ R^{r×V}."""
+        return u @ self.w2
+
+    # -- the CorrectionHead protocol and training ---------------------------------------------
+
+    def init_state(self, batch: int) -> Any:
+        return None
+
+    def step(self, logits: Tensor, prev_token: Tensor, hidden: Tensor | None, state: Any) -> tuple[Tensor, Any]:
+        """Slot k: ``logits [R, V]`` (U_k), ``prev_token [R]`` (x_{k−1}), ``hidden [R, d]`` (h_k)."""
+        self._check(hidden)
+        bias, state = self._bias(prev_token, hidden, state)
+        return logits + bias.to(logits.dtype), state
+
+    def forward_train(self, base_logits: Tensor, prev_tokens: Tensor, hidden: Tensor | None) -> Tensor:
+        """Teacher-forced: ``U [B, S, V]``, ``prev_tokens [B, S]`` (column 0 = anchor, column k =
+        x_k), ``hidden [B, S, d]`` → corrected logits ``[B, S, V]``."""
+        self._check(hidden)
+        return base_logits + self._bias_all(prev_tokens, hidden).to(base_logits.dtype)
+
+    def _bias(self, prev: Tensor, hidden: Tensor | None, state: Any) -> tuple[Tensor, Any]:
+        raise NotImplementedError
+
+    def _bias_all(self, prev: Tensor, hidden: Tensor | None) -> Tensor:
+        # Stateless heads act position-wise, so the step rule applies to [B, S] as to [R].
+        return self._bias(prev, hidden, None)[0]
+
+
+class MarkovHead(_LowRankHead):
+    """First-order transition bias B(x_{k−1}, ·) = W1[x_{k−1}] W2 (paper eq. 5)."""
+
+    needs_hidden = False
+
+    def _bias(self, prev: Tensor, hidden: Tensor | None, state: Any) -> tuple[Tensor, Any]:
+        return self.project(self.w1[prev]), state
+
+
+class GatedHead(_LowRankHead):
+    """The Markov embedding gated by the backbone state: W2(σ(Linear([h_k ; e])) ⊙ e), e = W1[x_{k−1}]."""
+
+    def _build_extra(self, dim: int, gen: torch.Generator) -> None:
+        self.gate = self._linear(dim + self.config.rank, self.config.rank, gen)
+
+    def _bias(self, prev: Tensor, hidden: Tensor | None, state: Any) -> tuple[Tensor, Any]:
+        e = self.w1[prev]
+        g = torch.sigmoid(self.gate(torch.cat([hidden.to(e.dtype), e], dim=-1)))
+        return self.project(g * e), state
+
+
+class RnnHead(_LowRankHead):
+    """A gated recurrence over the block's prefix (paper eq. 6); state s_k ∈ R^r, s_0 = 0."""
+
+    def _build_extra(self, dim: int, gen: torch.Generator) -> None:
+        self.cell = self._linear(2 * self.config.rank + dim, 3 * self.config.rank, gen)
+
+    def init_state(self, batch: int) -> Tensor:
+        if not self.built:
+            raise RuntimeError("RnnHead: bind() it to a target (or give vocab_size/dim) first")
+        return torch.zeros(batch, self.config.rank, dtype=self.w1.dtype, device=self.w1.device)
+
+    def _bias(self, prev: Tensor, hidden: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor]:
+        e = self.w1[prev]
+        s = torch.zeros_like(e) if state is None else state
+        g, c, o = self.cell(torch.cat([s, e, hidden.to(e.dtype)], dim=-1)).chunk(3, dim=-1)
+        g = torch.sigmoid(g)
+        s = g * s + (1 - g) * torch.tanh(c)
+        return self.project(torch.tanh(o)), s
+
+    def _bias_all(self, prev: Tensor, hidden: Tensor | None) -> Tensor:
+        # The recurrence is inherently sequential; S = γ is small, so a Python loop is cheap.
+        state = self.init_state(prev.shape[0])
+        out = []
+        for k in range(prev.shape[1]):
+            bias, state = self._bias(prev[:, k], hidden[:, k], state)
+            out.append(bias)
+        return torch.stack(out, dim=1)
+
+
+HEADS: dict[str, type[_LowRankHead]] = {"markov": MarkovHead, "gated": GatedHead, "rnn": RnnHead}
