@@ -207,7 +207,7 @@ CONTROL_CASES: dict[str, dict] = {
                      "verifier": ("rejection", {})},
         "batch": 1, "vocab": 8,
     },
-    "typical": {"pipeline": {**_REST, "drafter": _PROBE, "verifier": ("typical", {})}},
+    "typical": {"pipeline": {**_REST, "drafter": _PROBE, "verifier": ("typical", {})}, "vocab": 8},
 }
 
 

@@ -28,6 +28,7 @@ FAMILIES = ("llama", "qwen3", "gemma")
 # fp32 (engine) and fp64 (reference) logits differ by ~1e-6; a top-k/top-p/arg-max decision closer
 # than this to its boundary could go either way, so such cases are not used.
 MARGIN = 1e-4
+ENTROPY = 1.4  # nats: mean next-token entropy of a reference target at T = 1 (see _calibrate)
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,36 @@ def reference_hf_model(spec: ReferenceSpec):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
-                # Larger-than-default weights make next-token laws peaked: the sequence law then
-                # has few heavy cells, which is what a chi-square test at N ≈ 2·10⁴ can resolve.
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.35)
+        _calibrate(model, spec, gen)
     return model.eval()
+
+
+def _calibrate(model, spec: ReferenceSpec, gen: torch.Generator) -> None:
+    """Scale the final norm so the mean next-token entropy at T = 1 is :data:`ENTROPY` nats.
+
+    Raw random weights give laws anywhere from one-hot to flat depending on family and seed.  A
+    one-hot law makes every sequence test vacuous; a flat one spreads N samples over V^L cells
+    too thin to resolve.  About 1.4 nats per token puts the mass of a 3-token law on a few dozen
+    to a few hundred sequences — what N = 2·10⁴ resolves.  Scaling the final norm scales the
+    logits, so the architecture is untouched.
+    """
+    ids = torch.randint(0, spec.vocab, (64, 6), generator=gen)
+    logits = model(input_ids=ids, use_cache=False).logits.double()
+
+    def entropy(scale: float) -> float:
+        return float(torch.special.entr(torch.softmax(logits * scale, -1)).sum(-1).mean())
+
+    lo, hi = -12.0, 12.0  # log2 of the scale
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if entropy(2.0 ** mid) > ENTROPY else (lo, mid)
+    scale = 2.0 ** ((lo + hi) / 2)
+    norm = model.model.norm.weight
+    if spec.family == "gemma":  # Gemma's RMSNorm multiplies by (1 + weight)
+        norm.copy_((1 + norm) * scale - 1)
+    else:
+        norm.mul_(scale)
 
 
 @functools.lru_cache(maxsize=16)
