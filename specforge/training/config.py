@@ -1,0 +1,232 @@
+"""Training configuration (SPEC §7): one pydantic model, composed from presets, YAML and dot-lists.
+
+A run is ``preset or YAML file(s)`` + ``key=value`` overrides, merged by OmegaConf and validated
+once; every problem is reported together, naming the key path and the valid keys (the same
+:class:`~specforge.config.ConfigError` as pipeline configs)::
+
+    load_train_config("quick", ["optimizer.lr=3e-4", "drafter.head.name=gated"])
+
+Presets: ``quick`` is the README's ~15-minute main job on 2 CPU cores (a small ShareGPT subset,
+2-layer DSpark, γ=7, short sequences); ``full`` is the paper-like profile (all of ShareGPT, longer
+sequences, 5 layers, several epochs).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import OmegaConf
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from specforge.config import ConfigError, TargetConfig, compose
+from specforge_plugins.confidence import DSparkHeadConfig
+from specforge_plugins.heads import HeadConfig
+
+__all__ = ["PRESETS", "TrainConfig", "TrainConfigError", "load_train_config", "train_preset_names"]
+
+
+class TrainConfigError(ConfigError):
+    """A training config that cannot be used; lists every problem (a :class:`ConfigError`, so the
+    CLI's exit-status-2 handling applies)."""
+
+    def __init__(self, problems: list[str], source: str = "") -> None:
+        self.problems = problems
+        where = f" ({source})" if source else ""
+        ValueError.__init__(self, f"invalid training config{where}:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Section):
+    source: str = Field("sharegpt", description="'sharegpt' (the installed wheel) or a JSONL file of conversations")
+    limit: int | None = Field(None, ge=1, description="first N conversations; None: all")
+    max_length: int = Field(512, ge=8, description="tokens kept per conversation (its start)")
+    eval_sequences: int = Field(0, ge=0, description="sequences held out (from the end) for eval")
+
+
+class FeaturesConfig(_Section):
+    mode: Literal["offline", "online"] = "offline"
+    cache_dir: str | None = Field(None, description="offline cache; None: <output.dir>/features")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="stored dtype; None: the target's")
+    sequences_per_shard: int = Field(64, ge=1)
+    shuffle_window: int = Field(4, ge=1, description="shards whose sequences are shuffled together (offline)")
+
+
+class CorrectionHeadSpec(HeadConfig):
+    """A correction head: ``name`` plus that head's own parameters (``rank``, ``seed``, …)."""
+
+    name: Literal["none", "markov", "gated", "rnn"] = "markov"
+
+    def head_config(self) -> HeadConfig:
+        return HeadConfig.model_validate(self.model_dump(exclude={"name"}))
+
+
+class ConfidenceSpec(DSparkHeadConfig):
+    name: Literal["none", "dspark-head"] = "dspark-head"
+
+    def head_config(self) -> DSparkHeadConfig:
+        return DSparkHeadConfig.model_validate(self.model_dump(exclude={"name"}))
+
+
+class DrafterSection(_Section):
+    layers: int = Field(2, ge=1, description="draft transformer layers")
+    gamma: int = Field(7, ge=1, description="draft positions per block")
+    target_layers: list[int] | None = Field(None, description="tapped target layers; None: 5 spread from 1 to L-3")
+    head: CorrectionHeadSpec = Field(default_factory=CorrectionHeadSpec)
+    confidence: ConfidenceSpec = Field(default_factory=ConfidenceSpec)
+    seed: int = Field(0, description="seed of the backbone's initialisation")
+
+    @model_validator(mode="after")
+    def _tie(self) -> DrafterSection:
+        if self.confidence.name != "none" and self.confidence.embedding == "head" and self.head.name == "none":
+            raise ValueError("confidence.embedding='head' ties to the correction head's W1; head.name is 'none'")
+        return self
+
+
+class LossConfig(_Section):
+    ce_weight: float = Field(0.1, ge=0)
+    tv_weight: float = Field(0.9, ge=0)
+    conf_weight: float = Field(1.0, ge=0)
+
+
+class OptimizerConfig(_Section):
+    lr: float = Field(6e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0, description="on matrices only; norms, biases and vectors are not decayed")
+
+
+class ScheduleConfig(_Section):
+    warmup_steps: int = Field(20, ge=0)
+    total_steps: int | None = Field(None, ge=1, description="give this or epochs")
+    epochs: float | None = Field(None, gt=0)
+    min_lr: float = Field(6e-5, ge=0, description="the cosine ends here")
+
+    @model_validator(mode="after")
+    def _one_length(self) -> ScheduleConfig:
+        if (self.total_steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of total_steps and epochs")
+        return self
+
+
+class BatchConfig(_Section):
+    sequences: int = Field(8, ge=1, description="sequences per optimizer step (global, over all ranks)")
+    anchors: int = Field(16, ge=1, description="anchors (draft blocks) sampled per sequence")
+
+
+class OutputConfig(_Section):
+    dir: str = Field("runs/train", description="checkpoints/, metrics.jsonl and the feature cache by default")
+    checkpoint_interval: int = Field(100, ge=1, description="steps between checkpoints (one more at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept; older ones are deleted")
+    eval_interval: int | None = Field(None, ge=1, description="steps between evals on held-out data")
+    log_interval: int = Field(1, ge=1, description="steps between metrics.jsonl lines")
+    progress: bool = True
+
+
+class TrainConfig(_Section):
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    features: FeaturesConfig = Field(default_factory=FeaturesConfig)
+    drafter: DrafterSection = Field(default_factory=DrafterSection)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=lambda: ScheduleConfig(total_steps=300))
+    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; None: no clipping")
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    seed: int = Field(0, description="data order and anchor sampling")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="autocast dtype of the drafter forward (weights stay float32); auto: bfloat16 on "
+                            "CUDA, float32 on CPU, where bf16 matmuls are slower without AMX")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# The main job's budget (README): ~15 min on 2 cores for data, features, training and eval, so
+# the training share is a few minutes — a few hundred conversations of ≤384 tokens, ~4 epochs.
+PRESETS: dict[str, dict[str, Any]] = {
+    "quick": {
+        "target": {"model": "smollm2", "dtype": "bfloat16"},
+        "data": {"source": "sharegpt", "limit": 256, "max_length": 384, "eval_sequences": 8},
+        "features": {"mode": "offline", "dtype": "bfloat16", "sequences_per_shard": 64},
+        "drafter": {"layers": 2, "gamma": 7, "head": {"name": "markov", "rank": 256},
+                    "confidence": {"name": "dspark-head", "rank": 256}},
+        "optimizer": {"lr": 6e-4},
+        "schedule": {"warmup_steps": 20, "epochs": 4, "min_lr": 6e-5},
+        "batch": {"sequences": 8, "anchors": 16},
+        "output": {"dir": "runs/quick", "checkpoint_interval": 50, "eval_interval": 50},
+    },
+    "full": {
+        "target": {"model": "smollm2", "dtype": "bfloat16"},
+        "data": {"source": "sharegpt", "limit": None, "max_length": 1024, "eval_sequences": 64},
+        "features": {"mode": "offline", "dtype": "bfloat16", "sequences_per_shard": 256},
+        "drafter": {"layers": 5, "gamma": 7, "head": {"name": "markov", "rank": 256},
+                    "confidence": {"name": "dspark-head", "rank": 256}},
+        "optimizer": {"lr": 6e-4},
+        "schedule": {"warmup_steps": 200, "epochs": 3, "min_lr": 6e-5},
+        "batch": {"sequences": 16, "anchors": 32},
+        "output": {"dir": "runs/full", "checkpoint_interval": 500, "eval_interval": 500},
+    },
+}
+
+
+def train_preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def _valid_keys(model: type[BaseModel], path: list[str]) -> list[str]:
+    """The fields of the (sub)model a dotted error path points into."""
+    for key in path:
+        field = model.model_fields.get(key)
+        sub = getattr(field, "annotation", None) if field else None
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            break
+        model = sub
+    return list(model.model_fields)
+
+
+def validate_train_config(raw: dict[str, Any], source: str = "") -> TrainConfig:
+    """Validate a composed dict; one :class:`ConfigError` naming every bad key path."""
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = [str(x) for x in err["loc"]]
+            path = ".".join(loc) or "(top level)"
+            if err["type"] == "extra_forbidden":
+                problems.append(f"{path}: unknown key; valid keys: {', '.join(_valid_keys(TrainConfig, loc[:-1]))}")
+            elif err["type"] == "missing":
+                problems.append(f"{path}: required key is missing")
+            else:
+                problems.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
+        raise TrainConfigError(problems, source) from None
+
+
+def load_train_config(sources: list[str] | str = "quick", overrides: list[str] | None = None) -> TrainConfig:
+    """Compose presets / YAML files left to right, then ``key=value`` overrides, and validate."""
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    files, layers = [], []
+    for src in sources:
+        if src in PRESETS and not Path(src).is_file():
+            layers.append(OmegaConf.create(copy.deepcopy(PRESETS[src])))
+        elif Path(src).is_file():
+            files.append(src)
+            layers.append(OmegaConf.create(compose([src])))
+        else:
+            raise TrainConfigError([f"{src}: no such config file or training preset; presets: "
+                               f"{', '.join(train_preset_names())}"])
+    merged = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
+    # total_steps and epochs are alternatives: overriding one replaces the other from the sources.
+    keys = {o.split("=", 1)[0].strip() for o in overrides or []}
+    for given, other in (("total_steps", "epochs"), ("epochs", "total_steps")):
+        if f"schedule.{given}" in keys and f"schedule.{other}" not in keys and "schedule" in merged:
+            merged.schedule[other] = None
+    raw = OmegaConf.to_container(OmegaConf.merge(merged, OmegaConf.create(compose([], overrides))), resolve=True)
+    return validate_train_config(raw, source=", ".join(sources))  # type: ignore[arg-type]
