@@ -161,6 +161,29 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a drafter; an output directory that already holds checkpoints is resumed."""
+    from specforge.training import Trainer, load_train_config
+    from specforge.training.checkpoint import latest_checkpoint
+
+    config = load_train_config(args.config or ["quick"], args.overrides)
+    out = Path(config.output.dir)
+    path, _ = latest_checkpoint(out / "checkpoints") if (out / "checkpoints").is_dir() else (None, [])
+    if path is not None and not args.restart:
+        trainer = Trainer.resume(out, config)
+    else:
+        trainer = Trainer(config)
+    try:
+        history = trainer.train(max_steps=args.max_steps)
+    finally:
+        trainer.close()
+    last = history[-1] if history else {}
+    summary = {k: last[k] for k in ("step", "loss", "tau") if k in last}
+    print(json.dumps({"output": str(out), **summary}) if args.json else
+          f"trained to step {summary.get('step', '?')}: {summary}; drafter in {out / 'drafter'}")
+    return EXIT_OK
+
+
 def cmd_config_presets(args: argparse.Namespace) -> int:
     for name in preset_names():
         print(name)
@@ -233,6 +256,21 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--out", default="runs/bench-engine", help="where engine.json and engine.png go")
     eb.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     eb.set_defaults(func=cmd_bench_engine)
+
+    tr = sub.add_parser(
+        "train",
+        help="train a drafter (resumes from the output directory's last checkpoint)",
+        description="Compose training configs (presets: quick, full; or YAML files) with key=value "
+        "overrides, build or reuse the feature cache, and train; a killed run resumes where its "
+        "last checkpoint left off.",
+    )
+    tr.add_argument("--config", action="append", metavar="FILE|PRESET",
+                    help="training config (repeatable, merged left to right; default: 'quick')")
+    tr.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (this run)")
+    tr.add_argument("--restart", action="store_true", help="ignore existing checkpoints and start over")
+    tr.add_argument("--json", action="store_true", help="print a JSON summary")
+    tr.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    tr.set_defaults(func=cmd_train)
 
     from specforge_conformance.cli import add_parser as add_conformance
 
