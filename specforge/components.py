@@ -32,6 +32,7 @@ __all__ = [
     "DraftBlock",
     "Drafter",
     "Scheduler",
+    "TargetFeatures",
     "Verifier",
     "VerifyOutput",
 ]
@@ -187,6 +188,39 @@ class CorrectionHead(Protocol):
 
 
 @dataclass(frozen=True)
+class TargetFeatures:
+    """Tapped target hidden states of the positions R requests committed since they last drafted.
+
+    Flattened like the target's varlen pass (no padding): request r owns flat rows
+    ``cu_seqlens[r] : cu_seqlens[r + 1]``, in position order.  Those rows are exactly the tokens
+    the target's KV cache gained for that request — after admission, every prompt token but the
+    anchor (positions ``0 … P−2``; none for a one-token prompt); after a verify pass, the previous
+    anchor and the accepted drafts (``a … a+n``, where ``a`` is that anchor's position and ``n``
+    the accepted count).  Positions of a request are therefore consecutive across rounds and end
+    just before the current anchor, so a drafter that appends each round's rows to its own
+    per-request context holds the features of every committed token strictly before x_0.
+
+    Attributes:
+        layers: the tapped target layers (the drafter's ``feature_layers``), 0-based; the output
+            (residual stream) after each layer is what is tapped.
+        states: ``[N, m, d]`` in the target's dtype; ``states[i, j]`` is layer ``layers[j]``'s
+            output at flat row i, so ``states.flatten(1)`` is ``[H(l1); …; H(lm)]`` per row.
+        positions: ``[N]`` int64 absolute position of each row.
+        cu_seqlens: ``[R+1]`` int64 row boundaries per request (R = the context's requests).
+    """
+
+    layers: tuple[int, ...]
+    states: Tensor
+    positions: Tensor
+    cu_seqlens: Tensor
+
+    def request(self, r: int) -> tuple[Tensor, Tensor]:
+        """``(positions [n_r], states [n_r, m, d])`` of request r (``n_r`` may be 0)."""
+        lo, hi = int(self.cu_seqlens[r]), int(self.cu_seqlens[r + 1])
+        return self.positions[lo:hi], self.states[lo:hi]
+
+
+@dataclass(frozen=True)
 class DraftContext:
     """What the engine tells a drafter about the R requests it drafts for this round.
 
@@ -199,8 +233,10 @@ class DraftContext:
         sampling: each request's temperature / top-k / top-p; a sampling drafter draws x_k from
             ``warp(logits_k, sampling)`` and reports that law as ``probs``.
         generators: one seeded generator per request for the drafter's own randomness.
-        features: target features the drafter asked for through ``feature_layers`` (issued by
-            the target pass that produced the anchor); ``None`` when it asked for none.
+        features: a :class:`TargetFeatures` with the layers the drafter asked for through
+            ``feature_layers``, for the positions each request committed since its previous
+            draft (the admission prefill, then each verify pass); ``None`` when it asked for none.
+            The anchor x_0 is never among them: the target has not consumed it yet.
     """
 
     request_ids: list[int]
@@ -208,7 +244,7 @@ class DraftContext:
     max_tokens: Tensor
     sampling: SamplingParams
     generators: list[torch.Generator]
-    features: Any = None
+    features: TargetFeatures | None = None
 
     @property
     def anchor(self) -> Tensor:
@@ -227,7 +263,14 @@ class Drafter(Protocol):
     feature_layers: tuple[int, ...]
 
     def bind(self, target: Any) -> None:
-        """Called once with the target adapter before the first round (shared embeddings, vocab)."""
+        """Called once with the target adapter before the first round (shared embeddings, vocab).
+        ``feature_layers`` is read after this call, so a drafter may choose its layers from the
+        target's depth here.
+
+        Optional second hook: a drafter that runs the pipeline's correction head itself defines
+        ``attach(correction_head, confidence)``; the engine calls it once after ``bind`` with the
+        pipeline's head (``None`` when the pipeline has none) and confidence estimator, both
+        already bound to the target (each component with a ``bind`` method gets the target)."""
         ...
 
     def draft(self, ctx: DraftContext) -> DraftBlock:

@@ -1,14 +1,19 @@
 """The shipped drafters.
 
-``ngram`` (prompt lookup) needs no trained model; the model drafters register here as they land.
+``ngram`` (prompt lookup) needs no trained model; ``dspark`` and ``dflash`` are the parallel block
+drafters (SPEC §5), from a checkpoint or a seeded random initialisation.
 """
 
 from __future__ import annotations
 
 from specforge import hookimpl
+from specforge_plugins.drafters.dspark import DFlashConfig, DFlashDrafter, DSparkConfig, DSparkDrafter
 from specforge_plugins.drafters.ngram import NgramConfig, NgramDrafter
 
-__all__ = ["NgramConfig", "NgramDrafter"]
+__all__ = ["DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter", "NgramConfig", "NgramDrafter"]
+
+# Small enough for the conformance suite's reference targets (2 layers, d = 32, V = 8–32).
+_BLOCK_EXAMPLES = ({"gamma": 3, "layers": 1}, {"gamma": 4, "layers": 2, "seed": 1})
 
 
 @hookimpl
@@ -17,3 +22,10 @@ def specforge_register_drafters(register):
              examples=({}, {"gamma": 2, "max_ngram": 2}, {"gamma": 7, "min_ngram": 2}),
              description="prompt lookup: propose what followed the most recent earlier "
                          "occurrence of the last n tokens (no model)")
+    register("dspark", DSparkDrafter, config=DSparkConfig, parallel=True, uses_correction_head=True,
+             provides=("probs", "logits", "hidden"), examples=_BLOCK_EXAMPLES,
+             description="DSpark: parallel block [anchor, MASK x (gamma-1)] over fused target features, "
+                         "then the correction head left to right")
+    register("dflash", DFlashDrafter, config=DFlashConfig, parallel=True, uses_correction_head=True,
+             provides=("probs", "logits", "hidden"), examples=_BLOCK_EXAMPLES,
+             description="DFlash: parallel block [anchor, MASK x gamma] over fused target features")

@@ -6,6 +6,11 @@ request's logits is the target's distribution after x_j, exactly what the verifi
 verification the cache keeps x_0 and the accepted drafts (moving the length back is the rollback),
 and the emitted correction/bonus token becomes the new anchor.  Plain decoding is the same round
 with no drafter (ℓ = 0).
+
+A drafter that declares ``feature_layers`` (DSpark, DFlash, Eagle3) gets the target's hidden
+states at those layers for exactly the positions each pass commits to the cache (the prefill's
+prompt tokens, then the anchor and accepted drafts of each verify pass), through
+``DraftContext.features``; the taps are requested only then, so other pipelines pay nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specforge.components import DraftBlock, DraftContext, Verifier
+from specforge.components import DraftBlock, DraftContext, TargetFeatures, Verifier
 from specforge.config import EngineConfig, PipelineConfig, SamplingConfig
 from specforge.engine.request import (
     FinishReason,
@@ -52,6 +57,8 @@ class _Active:
     text: str = ""
     finish_reason: str | None = None
     pending_text: list[int] = field(default_factory=list)
+    # (positions [n], taps [n, m, d]) committed since the last draft; None: nothing yet
+    features: tuple[Tensor, Tensor] | None = None
 
     @property
     def output(self) -> list[int]:
@@ -85,15 +92,35 @@ class Engine:
         self.config = engine or EngineConfig()
         self.context_limit = min(self.config.max_context, target.max_positions)
         self.cache = target.new_cache(self.config.max_batch, self.context_limit)
+        self.taps: tuple[int, ...] = ()  # target layers tapped for the drafter on committing passes
         if drafter is not None:
             for name, part in (("confidence", confidence), ("calibrator", calibrator), ("scheduler", scheduler)):
                 if part is None:
                     raise ValueError(f"a drafter needs a {name}")
-            drafter.bind(target)
+            self._bind(drafter, correction_head, confidence)
         self._queue: deque[tuple[int, GenerationRequest]] = deque()
         self._active: list[_Active] = []
         self._outputs: dict[int, RequestOutput] = {}
         self._next_id = 0
+
+    def _bind(self, drafter, correction_head, confidence) -> None:
+        """Bind the model-dependent components to the target, then let the drafter take the head."""
+        target = self.target
+        drafter.bind(target)
+        # Heads and estimators sized from the target (vocabulary, hidden size) build here.
+        for part in (correction_head, confidence):
+            if callable(getattr(part, "bind", None)):
+                part.bind(target)
+        if callable(getattr(drafter, "attach", None)):
+            drafter.attach(correction_head, confidence)
+        # Read after bind(): a drafter may pick its layers from the target's depth.
+        taps = tuple(int(i) for i in (getattr(drafter, "feature_layers", ()) or ()))
+        depth = target.args.n_layers
+        bad = [i for i in taps if not 0 <= i < depth]
+        if bad:
+            raise ValueError(f"the drafter taps target layer {bad[0]}, "
+                             f"but the target has {depth} layers (0..{depth - 1})")
+        self.taps = taps
 
     @classmethod
     def from_pipeline(cls, pipeline: PipelineConfig, target: TargetModel | None = None) -> Engine:
@@ -179,9 +206,13 @@ class Engine:
             # Everything but the anchor, for all new requests in one pass; no logits needed.
             batch = VarlenBatch.build([s.history[:-1] for s in prefill], [s.slot for s in prefill],
                                       [0] * len(prefill))
-            self.target.forward(batch, self.cache)
-            for s in prefill:
+            out = self.target.forward(batch, self.cache, taps=self.taps)
+            states = _stack_taps(out.taps, self.taps) if self.taps else None
+            for i, s in enumerate(prefill):
                 self.cache.advance(s.slot, len(s.history) - 1)
+                if states is not None:  # every row of the prefill stays in the cache
+                    lo, hi = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
+                    s.features = (batch.positions[lo:hi], states[lo:hi])
         self._active.extend(admitted)
         return events
 
@@ -203,7 +234,7 @@ class Engine:
         # the (large) logits to regroup them, and plain decoding projects just R rows.
         offsets = torch.minimum(torch.arange(g + 1)[None, :], lengths[:, None])
         rows = (batch.cu_seqlens[:-1, None] + offsets).reshape(-1)
-        out = self.target.forward(batch, self.cache, logits_rows=rows)
+        out = self.target.forward(batch, self.cache, logits_rows=rows, taps=self.taps)
         logits = out.logits.view(len(states), g + 1, -1)
         uniforms = self._uniforms(states, lengths, g)
         tokens = block.tokens[:, :g]
@@ -226,6 +257,8 @@ class Engine:
                 keep.remove(bad)
                 if not keep:
                     return events
+        if self.taps:
+            self._keep_features(states, keep, result.num_accepted, batch, out.taps)
         for i, r in enumerate(keep):
             events.append(self._commit(states[r], tokens[r], int(lengths[r]), int(block.lengths[r]),
                                        int(result.num_accepted[i]), int(result.next_token[i])))
@@ -244,6 +277,7 @@ class Engine:
             max_tokens=torch.tensor([max(0, m) for m in room], dtype=torch.long),
             sampling=sampling,
             generators=[s.generator for s in states],
+            features=self._pending_features(states) if self.taps else None,
         )
         block = self.drafter.draft(ctx)
         block_lengths = torch.minimum(block.lengths.to(torch.long), ctx.max_tokens)
@@ -253,6 +287,34 @@ class Engine:
         confidence = self.calibrator.apply(confidence)
         lengths = self.scheduler.schedule(confidence, block_lengths)
         return block, torch.minimum(lengths.to(torch.long), block_lengths)
+
+    def _pending_features(self, states: list[_Active]) -> TargetFeatures:
+        """Hand over (and forget) what each request committed since its previous draft."""
+        empty_pos = torch.zeros(0, dtype=torch.long)
+        empty = torch.zeros(0, len(self.taps), self.target.args.dim, dtype=self.target.dtype)
+        positions, rows = [], []
+        for s in states:
+            pos, taps = s.features if s.features is not None else (empty_pos, empty)
+            positions.append(pos)
+            rows.append(taps)
+            s.features = None
+        cu = torch.zeros(len(states) + 1, dtype=torch.long)
+        cu[1:] = torch.cumsum(torch.tensor([len(p) for p in positions], dtype=torch.long), 0)
+        return TargetFeatures(self.taps, torch.cat(rows), torch.cat(positions), cu)
+
+    def _keep_features(self, states: list[_Active], keep: list[int], accepted: Tensor, batch: VarlenBatch,
+                       taps: dict[int, Tensor]) -> None:
+        """Store the taps of the rows the cache keeps: each request's anchor and accepted drafts."""
+        counts = accepted.to(torch.long) + 1  # the anchor and the accepted drafts: a run's first rows
+        before = torch.cumsum(counts, 0) - counts  # kept rows of the earlier requests
+        offset = torch.arange(int(counts.sum())) - torch.repeat_interleave(before, counts)
+        rows = torch.repeat_interleave(batch.cu_seqlens[keep], counts) + offset
+        kept = _stack_taps({i: taps[i][rows] for i in self.taps}, self.taps)
+        positions = batch.positions[rows]
+        lo = 0
+        for r, n in zip(keep, counts.tolist()):
+            states[r].features = (positions[lo:lo + n], kept[lo:lo + n])
+            lo += n
 
     @staticmethod
     def _uniforms(states: list[_Active], lengths: Tensor, g: int) -> Tensor:
@@ -333,6 +395,11 @@ class Engine:
 
     def output(self, request_id: int) -> RequestOutput:
         return self._outputs[request_id]
+
+
+def _stack_taps(taps: dict[int, Tensor], layers: tuple[int, ...]) -> Tensor:
+    """``{layer: [N, d]}`` → ``[N, m, d]`` in ``layers`` order."""
+    return torch.stack([taps[i] for i in layers], dim=1)
 
 
 def _select(sampling: SamplingParams, rows: list[int]) -> SamplingParams:

@@ -1,0 +1,246 @@
+"""``dspark`` (and ``dflash``): the parallel block drafter in the engine (SPEC §3, §5).
+
+One round for R requests:
+
+1. *Context.*  The engine hands over the target's tapped hidden states of the positions each
+   request committed since its last draft (``DraftContext.features``).  Their fused context K/V
+   is computed once, in one pass for the whole batch, and appended to the request's
+   :class:`~specforge_plugins.drafters.block.context.ContextCache`.
+2. *Parallel stage.*  One backbone pass over every request's block ``[x_0, MASK × (γ−1)]``
+   (DFlash: ``[x_0, MASK × γ]``) gives hidden states h_k and base logits U_k.
+3. *Sequential stage.*  Left to right, the pipeline's correction head biases U_k given x_{k−1}
+   (x_0 = the anchor) and h_k; x_k is drawn from ``p_k = warp(U_k + B_k, the request's
+   sampling)`` with a uniform from the request's own generator, and p_k is reported as the law
+   of x_k (T = 0: the one-hot arg-max), which is what keeps the verifier exact.
+
+Weights come from a checkpoint directory (:func:`~specforge_plugins.drafters.block.checkpoint.
+load_drafter`) or a seeded random initialisation (tests, conformance).  The embedding and LM
+head are always the bound target's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor, nn
+
+from specforge.components import DraftBlock, DraftContext
+from specforge.sampling import sample_with_uniform, warp
+from specforge_plugins.drafters.block.checkpoint import load_drafter
+from specforge_plugins.drafters.block.config import BlockDrafterConfig
+from specforge_plugins.drafters.block.context import ContextCache
+from specforge_plugins.drafters.block.model import BlockBackbone, SharedWeights
+
+__all__ = ["BlockDrafter", "DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter"]
+
+
+class DSparkConfig(BaseModel):
+    """Parameters of the ``dspark`` drafter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str | None = Field(None, description="drafter checkpoint directory (save_drafter); None: random init")
+    gamma: int | None = Field(None, ge=1, description="draft positions per block; None: the checkpoint's (else 7)")
+    layers: int | None = Field(None, ge=1,
+                               description="draft layers of a random init (None: 5); a checkpoint fixes them")
+    target_layers: tuple[int, ...] | None = Field(
+        None, description="tapped target layers of a random init; None: 5 spread from 1 to L-3 of the bound target")
+    seed: int = Field(0, description="seed of the random initialisation")
+    dtype: Literal["float32", "target"] = Field(
+        "float32", description="float32, or 'target': run the backbone in the target's dtype")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.checkpoint is not None and (self.layers is not None or self.target_layers is not None):
+            raise ValueError("layers and target_layers come from the checkpoint; set them only for a random init")
+        return self
+
+
+class DFlashConfig(DSparkConfig):
+    """``dflash``: the same knobs; defaults of the DFlash paper (γ = 16, 5 layers)."""
+
+
+class BlockDrafter:
+    """The engine-facing block drafter; the layout (DSpark or DFlash) is a class attribute."""
+
+    predict_anchor = True  # DSpark: the anchor slot is the first prediction
+    default_gamma = 7
+    default_layers = 5
+
+    def __init__(self, config: DSparkConfig | None = None) -> None:
+        self.config = config or DSparkConfig()
+        self._loaded: tuple[BlockBackbone, nn.Module | None, nn.Module | None] | None = None
+        if self.config.checkpoint is not None:
+            backbone, head, confidence, _ = load_drafter(self.config.checkpoint)
+            if backbone.config.predict_anchor != self.predict_anchor:
+                raise ValueError(f"{self.config.checkpoint}: a {_layout(backbone.config.predict_anchor)} checkpoint; "
+                                 f"this drafter has the {_layout(self.predict_anchor)} layout")
+            self._loaded = (backbone, head, confidence)
+            self.gamma = self.config.gamma or backbone.config.gamma
+        else:
+            self.gamma = self.config.gamma or self.default_gamma
+        self.backbone: BlockBackbone | None = None
+        self.head: Any = None
+        self.feature_layers: tuple[int, ...] = ()  # fixed at bind(), from the target's depth
+        self._contexts: ContextCache | None = None
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def bind(self, target: Any) -> None:
+        """Share the target's embedding and LM head and fix the tapped layers within its depth."""
+        args, runtime = target.args, target.runtime
+        if self._loaded is not None:
+            backbone = self._loaded[0]
+            _check_fits(backbone.config, args, self.config.checkpoint)
+            if backbone.config.gamma != self.gamma:  # a shorter or longer block than trained
+                backbone.config = backbone.config.model_copy(update={"gamma": self.gamma})
+        else:
+            backbone = BlockBackbone(self._random_config(args), seed=self.config.seed)
+        if self.config.dtype == "target":
+            backbone = backbone.to(runtime.dtype)
+        self.backbone = backbone.eval().bind(SharedWeights.from_target(runtime))
+        c = backbone.config
+        self.feature_layers = c.tap_layers
+        self._contexts = ContextCache(c.draft_layers, c.n_kv_heads, c.head_dim, backbone.dtype)
+
+    def _random_config(self, args: Any) -> BlockDrafterConfig:
+        layers = self.config.target_layers
+        bad = [i for i in layers or () if not 0 <= i < args.n_layers]
+        if bad:
+            raise ValueError(f"target_layers: layer {bad[0]} is outside the target's {args.n_layers} layers "
+                             f"(0..{args.n_layers - 1})")
+        return BlockDrafterConfig.from_model_args(
+            args, draft_layers=self.config.layers or self.default_layers, target_layers=layers,
+            gamma=self.gamma, predict_anchor=self.predict_anchor)
+
+    def attach(self, correction_head: Any, confidence: Any) -> None:
+        """Take the pipeline's correction head (``None``: no correction).
+
+        A checkpoint's trained head and confidence weights go into the pipeline's components
+        when those are of the same kind and name no weights file of their own; a different
+        trained head kind is an error (its random weights would silently replace trained ones),
+        while ``none`` simply drafts without the correction (an ablation).
+        """
+        self.head = correction_head
+        if self._loaded is not None:
+            _, head, confidence_weights = self._loaded
+            _fill(correction_head, head, "correction head", self.config.checkpoint, required=True)
+            _fill(confidence, confidence_weights, "confidence head", self.config.checkpoint, required=False)
+        tie = getattr(confidence, "tie", None)
+        if callable(tie) and getattr(confidence.config, "embedding", None) == "head":
+            if not hasattr(correction_head, "w1"):
+                raise ValueError("dspark-head with embedding='head' needs a markov, gated or rnn correction head")
+            tie(correction_head)
+
+    def release(self, request_id: int) -> None:
+        if self._contexts is not None:
+            self._contexts.release(request_id)
+
+    # -- one round -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def draft(self, ctx: DraftContext) -> DraftBlock:
+        if self.backbone is None or self._contexts is None:
+            raise RuntimeError("bind() the drafter to a target first")
+        self._ingest(ctx)
+        r, anchor = len(ctx), ctx.anchor
+        # A fixed γ uniforms per request and round, so a seeded request's stream does not depend
+        # on its batch-mates (how many slots the batch drafts).
+        u = (torch.stack([torch.rand(self.gamma, generator=g, dtype=torch.float64) for g in ctx.generators])
+             if r else torch.zeros(0, self.gamma, dtype=torch.float64))
+        g = min(self.gamma, int(ctx.max_tokens.max())) if r else 0
+        if g == 0:
+            empty = torch.zeros(r, 0, dtype=torch.long)
+            return DraftBlock(tokens=empty, lengths=torch.zeros(r, dtype=torch.long), anchor=anchor)
+        hidden = self._parallel(ctx)  # [R, γ, d]: the whole block, as trained (it is bidirectional)
+        hidden = hidden[:, :g]
+        base = self.backbone.logits(hidden)  # only the slots worth drafting go through the LM head
+        tokens = torch.empty(r, g, dtype=torch.long)
+        logits = torch.empty_like(base)
+        probs = torch.empty_like(base)
+        state = self.head.init_state(r) if self.head is not None else None
+        prev = anchor
+        for k in range(g):
+            step = base[:, k]
+            if self.head is not None:
+                step, state = self.head.step(step, prev, hidden[:, k], state)
+            logits[:, k] = step
+            probs[:, k] = warp(step, ctx.sampling)  # the exact law x_k is drawn from
+            prev = tokens[:, k] = sample_with_uniform(probs[:, k], u[:, k])
+        lengths = torch.minimum(torch.full((r,), g, dtype=torch.long), ctx.max_tokens)
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=logits, hidden=hidden, anchor=anchor)
+
+    def _ingest(self, ctx: DraftContext) -> None:
+        """Append the newly committed positions' context K/V, for all requests in one pass."""
+        f = ctx.features
+        if f is None:
+            raise RuntimeError(f"{type(self).__name__} needs target features: the engine must tap "
+                               f"feature_layers {self.feature_layers}")
+        if tuple(f.layers) != tuple(self.feature_layers):
+            raise RuntimeError(f"features of target layers {f.layers}; the drafter needs {self.feature_layers}")
+        if f.states.shape[0] == 0:
+            return
+        kv = self.backbone.context_kv(f.states.flatten(1)[None], f.positions[None])
+        for r, rid in enumerate(ctx.request_ids):
+            lo, hi = int(f.cu_seqlens[r]), int(f.cu_seqlens[r + 1])
+            if hi > lo:
+                self._contexts.extend(rid, int(f.positions[lo]), [(k[0, lo:hi], v[0, lo:hi]) for k, v in kv])
+
+    def _parallel(self, ctx: DraftContext) -> Tensor:
+        anchor_pos = torch.tensor([len(h) - 1 for h in ctx.histories], dtype=torch.long)
+        for rid, pos in zip(ctx.request_ids, anchor_pos.tolist()):
+            held = self._contexts.length(rid)
+            if held != pos:  # the context must be exactly the committed tokens before x_0
+                raise RuntimeError(f"request {rid}: the draft context holds {held} positions, "
+                                   f"the anchor is at position {pos}")
+        kv, positions, valid = self._contexts.gather(ctx.request_ids)
+        block = self.backbone.make_block(ctx.anchor)
+        return self.backbone.draft(block, anchor_pos, kv, positions, valid)
+
+
+class DSparkDrafter(BlockDrafter):
+    """DSpark: ``[x_0, MASK × (γ−1)]``, the anchor slot predicts x_1 (paper §3)."""
+
+
+class DFlashDrafter(BlockDrafter):
+    """DFlash: ``[x_0, MASK × γ]``, the γ mask slots predict x_1 … x_γ."""
+
+    predict_anchor = False
+    default_gamma = 16
+
+    def __init__(self, config: DFlashConfig | None = None) -> None:
+        super().__init__(config or DFlashConfig())
+
+
+def _layout(predict_anchor: bool) -> str:
+    return "DSpark" if predict_anchor else "DFlash"
+
+
+def _check_fits(c: BlockDrafterConfig, args: Any, where: str | None) -> None:
+    """A checkpoint trained on another target shape cannot share this target's weights."""
+    pairs = {"vocab_size": args.vocab_size, "dim": args.dim, "n_heads": args.n_heads,
+             "n_kv_heads": args.n_kv_heads, "head_dim": args.head_dim, "n_target_layers": args.n_layers}
+    for key, value in pairs.items():
+        if getattr(c, key) != value:
+            raise ValueError(f"{where}: trained for a target with {key}={getattr(c, key)}; "
+                             f"the bound target has {key}={value}")
+
+
+def _fill(part: Any, trained: nn.Module | None, what: str, where: str | None, required: bool) -> None:
+    """Load a checkpoint's trained ``what`` into the pipeline's component of the same kind."""
+    if trained is None or part is None:
+        return
+    if type(part) is not type(trained):
+        if required and hasattr(part, "w1"):  # another trainable head: its weights would be random
+            raise ValueError(f"{where}: the checkpoint's {what} is a {type(trained).__name__}; the pipeline's is a "
+                             f"{type(part).__name__} (choose the same kind, or 'none' to draft without it)")
+        return
+    if getattr(part.config, "weights", None):  # the pipeline names its own weights: they win
+        return
+    try:
+        part.load_state_dict(trained.state_dict())
+    except RuntimeError as exc:
+        raise ValueError(f"{where}: the checkpoint's {what} does not fit the pipeline's "
+                         f"(set its rank to {trained.config.rank}): {exc}") from None
