@@ -220,3 +220,14 @@ def test_more_requests_than_slots_are_queued(target, host):
     outs = make_engine(target, host, ("ngram", {}), batch=2).generate(
         [GenerationRequest(prompt_ids=p, ignore_eos=True) for p in ps])
     assert [o.token_ids for o in outs] == [hf_greedy(target, p, 24) for p in ps]
+
+
+def test_take_output_hands_over_and_forgets(target, host):
+    engine = make_engine(target, host, ("ngram", {}))
+    rid = engine.submit(GenerationRequest(prompt_ids=prompts(1)[0], ignore_eos=True, max_new_tokens=5))
+    for _ in engine.stream(()):
+        pass
+    out = engine.take_output(rid)
+    assert len(out.token_ids) == 5
+    with pytest.raises(KeyError):
+        engine.output(rid)

@@ -449,10 +449,9 @@ def regenerate(
                 if not event.finished:
                     continue
                 work = in_flight.pop(event.request_id)
-                out = engine.output(event.request_id)
-                # The engine keeps every output for .output(); a run over many thousand
-                # conversations must not keep them all.
-                engine._outputs.pop(event.request_id, None)
+                # take_output forgets it: a run over many thousand conversations must not keep
+                # every output in the engine.
+                out = engine.take_output(event.request_id)
                 report.new_tokens += len(out.token_ids)
                 if out.finish_reason == FinishReason.ERROR:
                     cut_short(work, out.error or "the engine failed this request")

@@ -396,6 +396,11 @@ class Engine:
     def output(self, request_id: int) -> RequestOutput:
         return self._outputs[request_id]
 
+    def take_output(self, request_id: int) -> RequestOutput:
+        """Return a finished request's output and forget it (long-running drivers that stream
+        many requests would otherwise keep every output in memory)."""
+        return self._outputs.pop(request_id)
+
 
 def _stack_taps(taps: dict[int, Tensor], layers: tuple[int, ...]) -> Tensor:
     """``{layer: [N, d]}`` → ``[N, m, d]`` in ``layers`` order."""
