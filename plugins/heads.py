@@ -16,6 +16,8 @@ over whole blocks for training; the two agree on the same tokens (tested).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from typing import Any
 
 import torch
@@ -36,7 +38,7 @@ class HeadConfig(BaseModel):
     zero_init: bool = Field(True, description="W2 = 0 at init: the head starts as the identity")
 
 
-class _LowRankHead(nn.Module):
+class _LowRankHead(nn.Module, ABC):
     """W1/W2 plumbing, lazy building (V and d are often known only from the target) and I/O."""
 
     config_model = HeadConfig
@@ -111,8 +113,9 @@ class _LowRankHead(nn.Module):
         self._check(hidden)
         return base_logits + self._bias_all(prev_tokens, hidden).to(base_logits.dtype)
 
+    @abstractmethod
     def _bias(self, prev: Tensor, hidden: Tensor | None, state: Any) -> tuple[Tensor, Any]:
-        raise NotImplementedError
+        """``(bias [..., V], new state)`` of one slot (each head's own rule)."""
 
     def _bias_all(self, prev: Tensor, hidden: Tensor | None) -> Tensor:
         # Stateless heads act position-wise, so the step rule applies to [B, S] as to [R].

@@ -213,3 +213,21 @@ def tokenize_conversation(
         loss_mask=torch.tensor(mask, dtype=torch.long),
         truncated=truncated,
     )
+
+
+def take(stream, limit: int | None) -> list[Conversation]:
+    """The first ``limit`` items of a loader's stream (all when ``None``), then close it.
+
+    The limit is checked before the next record is read, so the loader's report counts only
+    what was kept.
+    """
+    out: list[Conversation] = []
+    try:
+        while limit is None or len(out) < limit:
+            item = next(stream, None)
+            if item is None:
+                break
+            out.append(item)
+    finally:
+        stream.close()
+    return out

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from specforge.data.chat import Conversation, normalize_message
+from specforge.data.chat import Conversation, normalize_message, take
 
 __all__ = ["JsonlReport", "LineError", "iter_jsonl", "load_jsonl", "record_to_conversation"]
 
@@ -123,15 +123,4 @@ def _iter_lines(path: Path, report: JsonlReport) -> Iterator[Conversation]:
 def load_jsonl(path: str | os.PathLike, limit: int | None = None) -> tuple[list[Conversation], JsonlReport]:
     """``(conversations, report)`` for ``path``, the first ``limit`` conversations when given."""
     report = JsonlReport(path=str(path))
-    conversations: list[Conversation] = []
-    stream = iter_jsonl(path, report)
-    try:
-        while limit is None or len(conversations) < limit:
-            # Checked before the next record is read, so the report counts only what was kept.
-            conversation = next(stream, None)
-            if conversation is None:
-                break
-            conversations.append(conversation)
-    finally:
-        stream.close()
-    return conversations, report
+    return take(iter_jsonl(path, report), limit), report

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from specforge.data.chat import Conversation, normalize_message
+from specforge.data.chat import Conversation, normalize_message, take
 
 __all__ = [
     "DATA_FILENAME",
@@ -275,15 +275,4 @@ def load_sharegpt(
     truncation (``report.scanned`` is False).
     """
     report = ShareGPTReport(path="", file_bytes=0)
-    conversations: list[Conversation] = []
-    stream = iter_sharegpt(path, report, progress=progress)
-    try:
-        while limit is None or len(conversations) < limit:
-            # Checked before the next record is read, so the report counts only what was kept.
-            conversation = next(stream, None)
-            if conversation is None:
-                break
-            conversations.append(conversation)
-    finally:
-        stream.close()
-    return conversations, report
+    return take(iter_sharegpt(path, report, progress=progress), limit), report
