@@ -62,34 +62,68 @@ def run(args: argparse.Namespace) -> int:
         return _run_controls(args)
     from specforge_conformance.suite import run_suite
 
-    reports = []
     args.seeds = args.seeds or 1
-    for k in range(args.seeds):
-        report = run_suite(tier="full" if args.full else "fast", plugins=args.plugin, seed=args.seed + k,
-                           n=args.n, progress=_progress, deterministic=not args.no_deterministic)
-        reports.append(report)
-        if args.out and args.seeds > 1:  # partial results survive an interrupted long run
-            _write(args.out, {"seeds": [r.to_dict() for r in reports], "passed": all(r.passed for r in reports),
-                              "complete": k + 1 == args.seeds})
-        if args.seeds > 1:
-            print(f"seed {args.seed + k}: {'passed' if report.passed else 'FAILED'} "
-                  f"({report.seconds:.0f} s)", file=sys.stderr)
-    passed = all(r.passed for r in reports)
-    if len(reports) == 1:
-        report = reports[0]
-        text = report.table() + ("\n\n" + report.explain() if not report.passed else "")
-        text += f"\n\n{'PASSED' if passed else 'FAILED'} ({report.tier} tier, {report.seconds:.0f} s)"
-        _emit(args, report.to_dict(), text)
-    else:
-        failed = [r.seed for r in reports if not r.passed]
-        cases = sum(len(c.results) for r in reports for c in r.combos)
-        text = (f"{len(reports)} seeds, {cases} statistical cases: "
-                + ("no failures" if not failed else f"failures at seeds {failed}"))
-        for r in reports:
-            if not r.passed:
-                text += "\n" + r.explain()
-        _emit(args, {"seeds": [r.to_dict() for r in reports], "passed": passed}, text)
-    return 0 if passed else 1
+    tier = "full" if args.full else "fast"
+    if args.seeds > 1:
+        return _run_seeds(args, tier)
+    reports = [run_suite(tier=tier, plugins=args.plugin, seed=args.seed, n=args.n, progress=_progress,
+                         deterministic=not args.no_deterministic)]
+    report = reports[0]
+    text = report.table() + ("\n\n" + report.explain() if not report.passed else "")
+    text += f"\n\n{'PASSED' if report.passed else 'FAILED'} ({report.tier} tier, {report.seconds:.0f} s)"
+    _emit(args, report.to_dict(), text)
+    return 0 if report.passed else 1
+
+
+def _run_seeds(args: argparse.Namespace, tier: str) -> int:
+    """The false-alarm check: seeds seed..seed+K-1, one suite run each.  With ``--out`` the file
+    is rewritten after every seed, and a file left by an interrupted run of the same tier and
+    sample size is picked up: its seeds are kept, not run again."""
+    from specforge_conformance.suite import run_suite
+
+    wanted = [args.seed + k for k in range(args.seeds)]
+    done: dict[int, dict] = {}
+    if args.out and Path(args.out).is_file():
+        try:
+            previous = json.loads(Path(args.out).read_text())
+            for rec in previous.get("seeds", []):
+                same_n = all(case["case"]["n"] == (args.n or case["case"]["n"])
+                             for c in rec["combinations"] for case in c["cases"])
+                if rec.get("tier") == tier and rec.get("seed") in wanted and same_n:
+                    done[rec["seed"]] = rec
+        except (ValueError, KeyError, TypeError) as exc:
+            print(f"{args.out}: unreadable ({exc}); starting over", file=sys.stderr)
+        if done:
+            print(f"{args.out}: {len(done)} of {len(wanted)} seeds already done, resuming", file=sys.stderr)
+
+    def save() -> None:
+        if args.out:
+            recs = [done[s] for s in wanted if s in done]
+            _write(args.out, {"seeds": recs, "passed": all(r["passed"] for r in recs),
+                              "complete": len(recs) == len(wanted)})
+
+    explanations = {}
+    for seed in wanted:
+        if seed in done:
+            continue
+        report = run_suite(tier=tier, plugins=args.plugin, seed=seed, n=args.n, progress=_progress,
+                           deterministic=not args.no_deterministic)
+        done[seed] = report.to_dict()
+        if not report.passed:
+            explanations[seed] = report.explain()
+        save()
+        print(f"seed {seed}: {'passed' if report.passed else 'FAILED'} ({report.seconds:.0f} s)", file=sys.stderr)
+    recs = [done[s] for s in wanted]
+    failed = [r["seed"] for r in recs if not r["passed"]]
+    cases = sum(len(c["cases"]) for r in recs for c in r["combinations"])
+    text = (f"{len(recs)} seeds, {cases} statistical cases: "
+            + ("no failures" if not failed else f"failures at seeds {failed}"))
+    for seed, why in explanations.items():
+        text += f"\n{why}"
+    if failed and len(explanations) < len(failed):
+        text += f"\n(failures from an earlier run are described in {args.out})"
+    _emit(args, {"seeds": recs, "passed": not failed, "complete": True}, text)
+    return 0 if not failed else 1
 
 
 def _run_case(args: argparse.Namespace) -> int:

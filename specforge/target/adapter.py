@@ -33,7 +33,9 @@ class TargetModel:
         self.dtype = dtype
         self.hf_model = hf_model
         self.tokenizer = tokenizer
-        with torch.inference_mode():
+        # no_grad, not inference_mode: drafters train through the shared embedding and LM head,
+        # and autograd refuses to save inference tensors for backward.
+        with torch.no_grad():
             self.runtime = Transformer(self.args, hf_model, dtype).eval()
         self.eos_ids = self._eos_ids(hf_model, tokenizer)
 
