@@ -48,6 +48,9 @@ class _LowRankHead(nn.Module, ABC):
         super().__init__()
         self.config = config or HeadConfig()
         self.built = False
+        # Inference copy of W2 in the bound target's half dtype, pre-packed on CPU (see project()).
+        self._fast_dtype: torch.dtype | None = None
+        self._fast: tuple[tuple[int, int], Any] | None = None
         if self.config.vocab_size is not None and (self.config.dim is not None or not self.needs_hidden):
             self._build(self.config.vocab_size, self.config.dim or 0)
 
@@ -56,6 +59,8 @@ class _LowRankHead(nn.Module, ABC):
         args = getattr(target, "args", target)
         if not self.built:
             self._build(self.config.vocab_size or args.vocab_size, self.config.dim or args.dim)
+        dtype = getattr(target, "dtype", None)
+        self._fast_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else None
 
     def _build(self, vocab: int, dim: int) -> None:
         # Record the sizes in the config, so that a checkpoint's config rebuilds the head alone.
@@ -93,8 +98,21 @@ class _LowRankHead(nn.Module, ABC):
             raise ValueError(f"{type(self).__name__} needs the backbone hidden states h_k")
 
     def project(self, u: Tensor) -> Tensor:
-        """``[..., r]`` → bias ``[..., V]`` through W2 ∈ R^{r×V}."""
-        return u @ self.w2
+        """``[..., r]`` → bias ``[..., V]`` through W2 ∈ R^{r×V}.
+
+        Drafting reads all of W2 once per draft position, sequentially — on a CPU that is most
+        of the head's cost — so without gradients and beside a bf16/fp16 target it reads a
+        half-precision, oneDNN-packed copy (refreshed whenever W2 changes).  Only q changes,
+        and q is reported exactly as sampled, so this never touches losslessness.
+        """
+        if self._fast_dtype is None or torch.is_grad_enabled() or self.w2.device.type != "cpu":
+            return u @ self.w2
+        from specforge.target.model import Projection
+
+        key = (self.w2.data_ptr(), self.w2._version)
+        if self._fast is None or self._fast[0] != key:
+            self._fast = (key, Projection(self.w2.detach().t().contiguous().to(self._fast_dtype)))
+        return self._fast[1](u.to(self._fast_dtype)).to(u.dtype)
 
     # -- the CorrectionHead protocol and training ---------------------------------------------
 

@@ -143,10 +143,28 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
     k = params.top_k.to(device).view(r, 1, 1)
     top_p = params.top_p.to(device=device, dtype=dtype).view(r, 1, 1)
 
-    greedy = t <= 0
-    scaled = x / torch.where(greedy, torch.ones_like(t), t)
+    greedy = (t <= 0).view(r)
+    truncate = ~greedy & (((k > 0) & (k < v)) | (top_p < 1)).view(r)  # top-k ≥ V keeps everything
+    plain = ~greedy & ~truncate
+    # Each row takes one of three paths, chosen by its own settings only (so a row's result never
+    # depends on its batch-mates): greedy rows put everything on the first arg-max; untruncated
+    # rows are a plain softmax; only rows with top-k/top-p pay for sorting the vocabulary.
+    probs = torch.empty_like(x)
+    if bool(greedy.any()):
+        first = x[greedy].argmax(dim=-1, keepdim=True)  # argmax returns the first maximal index
+        probs[greedy] = torch.zeros_like(x[greedy]).scatter_(-1, first, 1.0)
+    if bool(plain.any()):
+        probs[plain] = torch.softmax(x[plain] / t[plain], dim=-1)
+    if bool(truncate.any()):
+        probs[truncate] = _truncated(x[truncate] / t[truncate], k[truncate], top_p[truncate])
+    return probs.reshape(shape)
+
+
+def _truncated(scaled: Tensor, k: Tensor, top_p: Tensor) -> Tensor:
+    """Top-k then top-p (ties broken towards the lower id) of temperature-scaled logits."""
+    v = scaled.shape[-1]
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    rank = torch.arange(v, device=device).view(1, 1, v)
+    rank = torch.arange(v, device=scaled.device).view(1, 1, v)
     keep = (k <= 0) | (rank < k)
     sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
@@ -158,10 +176,7 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
     keep = keep & ((top_p >= 1) | (before < top_p) | (rank == 0))
     sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
-    # Greedy rows: everything on the first arg-max (rank 0 of a stable descending sort).
-    sorted_probs = torch.where(greedy, (rank == 0).to(dtype), sorted_probs)
-    probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
-    return probs.reshape(shape)
+    return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
 
 
 def sample_with_uniform(probs: Tensor, u: Tensor) -> Tensor:

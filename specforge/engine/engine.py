@@ -102,6 +102,9 @@ class Engine:
         self._active: list[_Active] = []
         self._outputs: dict[int, RequestOutput] = {}
         self._next_id = 0
+        # Wall time per phase of the rounds run so far (seconds), for latency breakdowns: draft
+        # (drafter, confidence, calibrator, scheduler), target (the flattened pass), verify, commit.
+        self.phase_seconds: dict[str, float] = dict.fromkeys(("draft", "target", "verify", "commit"), 0.0)
 
     def _bind(self, drafter, correction_head, confidence) -> None:
         """Bind the model-dependent components to the target, then let the drafter take the head."""
@@ -225,7 +228,9 @@ class Engine:
             return events
         states = list(self._active)
         sampling = SamplingParams.stack([s.sampling for s in states])
+        clock = time.perf_counter()
         block, lengths = self._draft(states, sampling)
+        clock = self._lap("draft", clock)
         g = int(lengths.max()) if len(states) else 0
         runs = [[s.history[-1], *block.tokens[r, : int(lengths[r])].tolist()] for r, s in enumerate(states)]
         batch = VarlenBatch.build(runs, [s.slot for s in states], [len(s.history) - 1 for s in states])
@@ -236,6 +241,7 @@ class Engine:
         rows = (batch.cu_seqlens[:-1, None] + offsets).reshape(-1)
         out = self.target.forward(batch, self.cache, logits_rows=rows, taps=self.taps)
         logits = out.logits.view(len(states), g + 1, -1)
+        clock = self._lap("target", clock)
         uniforms = self._uniforms(states, lengths, g)
         tokens = block.tokens[:, :g]
         probs = None if block.probs is None else block.probs[:, :g]
@@ -257,12 +263,19 @@ class Engine:
                 keep.remove(bad)
                 if not keep:
                     return events
+        clock = self._lap("verify", clock)
         if self.taps:
             self._keep_features(states, keep, result.num_accepted, batch, out.taps)
         for i, r in enumerate(keep):
             events.append(self._commit(states[r], tokens[r], int(lengths[r]), int(block.lengths[r]),
                                        int(result.num_accepted[i]), int(result.next_token[i])))
+        self._lap("commit", clock)
         return events
+
+    def _lap(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phase_seconds[phase] += now - since
+        return now
 
     def _draft(self, states: list[_Active], sampling: SamplingParams) -> tuple[DraftBlock, Tensor]:
         r = len(states)

@@ -142,6 +142,9 @@ class Transformer(nn.Module):
         head = hf_model.get_output_embeddings().weight
         self.lm_head = self.embed if head is body.embed_tokens.weight else \
             nn.Parameter(head.detach().to(dtype), requires_grad=False)
+        # The LM head is the largest matrix a decoding step reads (V×d); packed for oneDNN it
+        # runs about 2× faster for the few rows a round projects (a second, blocked copy).
+        self.head_projection = Projection(self.lm_head)
         rotary = body.rotary_emb  # the checkpoint's own RoPE variant (default, llama3, yarn, …)
         self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -168,7 +171,7 @@ class Transformer(nn.Module):
 
     def project(self, hidden: Tensor) -> Tensor:
         """Final hidden states → float32 logits (the frozen LM head)."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.head_projection(hidden).float()
 
     def forward(
         self,

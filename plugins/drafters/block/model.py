@@ -13,6 +13,7 @@ Attention is plain SDPA with an explicit boolean mask: small blocks, no flex_att
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +37,16 @@ class SharedWeights:
     embed_scale: float = 1.0  # Gemma scales embeddings by sqrt(d)
     inv_freq: Tensor | None = None  # the target's RoPE frequencies (its RoPE variant), if shared
     rope_scaling: float = 1.0
+    # The target's own LM-head projection (pre-packed on CPU), used when no gradient is needed;
+    # training goes through F.linear on ``lm_head`` so autograd can see it.
+    project: Callable[[Tensor], Tensor] | None = None
 
     @classmethod
     def from_target(cls, target: nn.Module) -> SharedWeights:
         """From a :class:`specforge.target.model.Transformer`."""
         return cls(embed=target.embed, lm_head=target.lm_head, embed_scale=target.args.embed_scale,
-                   inv_freq=target.inv_freq, rope_scaling=target.rope_scaling)
+                   inv_freq=target.inv_freq, rope_scaling=target.rope_scaling,
+                   project=getattr(target, "head_projection", None))
 
 
 class RMSNorm(nn.Module):
@@ -200,7 +205,10 @@ class BlockBackbone(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Base logits U through the frozen shared LM head, float32 (as the target's)."""
-        head = self._shared().lm_head
+        shared = self._shared()
+        head = shared.lm_head
+        if shared.project is not None and not torch.is_grad_enabled():
+            return shared.project(hidden.to(head.dtype)).float()
         return F.linear(hidden.to(head.dtype), head).float()
 
     def forward(self, block_ids: Tensor, ctx_features: Tensor, anchor_pos: Tensor,

@@ -1,0 +1,74 @@
+"""Present an evaluation: a text table and the per-position acceptance plot (paper Fig. 2)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["acceptance_plot", "save", "table"]
+
+
+def _f(value: Any, spec: str = ".2f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def table(result: dict[str, Any]) -> str:
+    """One row per (dataset, temperature): τ, acceptance at each position, speed and speedup."""
+    rows = result["results"]
+    width = max((len(r["acceptance"]) for r in rows), default=0)
+    head = ["dataset", "T", "τ", *[f"acc@{k + 1}" for k in range(width)], "tok/s", "AR tok/s", "speedup", "head %"]
+    lines = [head]
+    for r in rows:
+        acc = [_f(a) for a in r["acceptance"]] + ["-"] * (width - len(r["acceptance"]))
+        share = r.get("latency_share", {}).get("correction_head")
+        lines.append([r["dataset"], _f(r["temperature"], "g"), _f(r["tau"]), *acc, _f(r.get("tok_s"), ".1f"),
+                      _f(r.get("ar_tok_s"), ".1f"), _f(r.get("speedup")),
+                      _f(None if share is None else 100 * share, ".1f")])
+    for key, s in result.get("summary", {}).items():
+        lines.append([f"mean ({key})", "", _f(s["tau"]), *[""] * width, "", "", _f(s.get("speedup")), ""])
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    text = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text)
+
+
+def acceptance_plot(result: dict[str, Any], path: str | Path) -> Path:
+    """Conditional acceptance against draft position, one line per dataset, a panel per temperature."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = result["results"]
+    temps = sorted({r["temperature"] for r in rows})
+    fig = Figure(figsize=(5.2 * len(temps), 4.2))
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(1, len(temps), i + 1) for i in range(len(temps))]
+    for ax, t in zip(axes, temps):
+        for r in (r for r in rows if r["temperature"] == t):
+            ks = list(range(1, len(r["acceptance"]) + 1))
+            ax.plot(ks, r["acceptance"], marker="o", label=f"{r['dataset']} (τ {r['tau']:.2f})")
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("draft position k")
+        ax.set_ylabel("P(x_k accepted | x_<k accepted)")
+        ax.set_title(f"T = {t:g}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def save(result: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
+    """``eval.json`` and ``acceptance.png`` under ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "eval.json"
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2, allow_nan=True))
+    tmp.replace(json_path)
+    return json_path, acceptance_plot(result, out / "acceptance.png")
