@@ -24,8 +24,8 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/specforge plugins
-	$(BIN)/specforge config show default
-	$(BIN)/specforge generate --config ngram --prompt "Write a Python function that checks whether a number is prime." sampling.temperature=0 sampling.max_new_tokens=96
+	$(BIN)/specforge run
+	$(BIN)/specforge generate --config dspark --prompt "Write a Python function that checks whether a number is prime." sampling.temperature=0 sampling.max_new_tokens=96
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

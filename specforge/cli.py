@@ -200,6 +200,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """The main job: regenerate data with the target, train DSpark, evaluate; resumable."""
+    from specforge.evaluation import EvalSettings, table
+    from specforge.main_job import run_main_job
+
+    settings = EvalSettings(datasets=args.dataset or EvalSettings.datasets, prompts=args.prompts,
+                            max_new_tokens=args.max_new_tokens, temperatures=args.temperature)
+    result = run_main_job(args.config or ["quick"], args.overrides, settings)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return EXIT_OK
+    job = result["main_job"]
+    tr = job["training"]
+    print(f"drafter: {job['output_dir']}/drafter — trained {tr['train'].get('step', '?')} steps, "
+          f"final train loss {tr['train'].get('loss', float('nan')):.3f}"
+          + (f", held-out τ̂ {tr['held_out']['tau']:.2f}" if "tau" in tr.get("held_out", {}) else ""))
+    print(table(result))
+    secs = job["seconds"]
+    print(f"time: data + training {secs['data_and_training_s']:.0f} s, evaluation {secs['eval_s']:.0f} s; "
+          f"plot {job['output_dir']}/eval/acceptance.png")
+    return EXIT_OK
+
+
 def cmd_config_presets(args: argparse.Namespace) -> int:
     for name in preset_names():
         print(name)
@@ -287,6 +310,24 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--json", action="store_true", help="print a JSON summary")
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     tr.set_defaults(func=cmd_train)
+
+    rn = sub.add_parser(
+        "run",
+        help="the main job: regenerate data with the target, train a DSpark drafter, evaluate it",
+        description="On the embedded SmolLM2 by default: answer ShareGPT prompts with the target, "
+        "train DSpark on its hidden states, then measure τ and the speedup over plain decoding on "
+        "the eval sets.  Each stage resumes or reuses what an earlier call made.",
+    )
+    rn.add_argument("--config", action="append", metavar="FILE|PRESET",
+                    help="training config (presets: quick, full; default: quick)")
+    rn.add_argument("--dataset", action="append", metavar="NAME|FILE.jsonl",
+                    help="eval set (repeatable; default: all five in the eval directory)")
+    rn.add_argument("--prompts", type=int, default=3, help="eval prompts per set")
+    rn.add_argument("--max-new-tokens", type=int, default=96, help="tokens per eval answer")
+    rn.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    rn.add_argument("--json", action="store_true", help="print the JSON result")
+    rn.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides")
+    rn.set_defaults(func=cmd_run)
 
     ev = sub.add_parser(
         "eval",

@@ -102,6 +102,10 @@ def test_stats_are_consistent(target, host):
         assert all(a <= v for a, v in zip(s.accepted_per_position, s.verified_per_position))
         assert s.verified == sum(s.verified_per_position) and s.accepted == sum(s.accepted_per_position)
         assert s.verified_per_position[0] <= s.rounds
+        # position k is reached when every earlier draft was accepted; k+1 only after k was accepted
+        assert all(r <= v for r, v in zip(s.reached_per_position, s.verified_per_position))
+        assert all(a <= r for a, r in zip(s.accepted_per_position, s.reached_per_position))
+        assert all(nxt <= a for nxt, a in zip(s.reached_per_position[1:], s.accepted_per_position))
         assert abs(s.tau - (s.accepted + s.rounds) / s.rounds) < 1e-12
 
 

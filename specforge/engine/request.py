@@ -47,6 +47,10 @@ class RequestStats:
     prompt_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     verified_per_position: list[int] = field(default_factory=list)
+    # rounds in which position k was verified *and* every earlier draft was accepted: the
+    # denominator of the conditional acceptance (verified_per_position also counts positions
+    # verified after an earlier rejection, whose fate was already sealed)
+    reached_per_position: list[int] = field(default_factory=list)
     started: float = 0.0
     first_token: float | None = None
     finished: float | None = None
@@ -68,21 +72,19 @@ class RequestStats:
         self.drafted += drafted
         self.verified += verified
         self.accepted += accepted
-        for counts in (self.verified_per_position, self.accepted_per_position):
-            if len(counts) < verified:  # both lists always cover every position ever verified
+        for counts in (self.verified_per_position, self.accepted_per_position, self.reached_per_position):
+            if len(counts) < verified:  # the lists always cover every position ever verified
                 counts.extend([0] * (verified - len(counts)))
         for k in range(verified):
             self.verified_per_position[k] += 1
+        for k in range(min(verified, accepted + 1)):
+            self.reached_per_position[k] += 1
         for k in range(accepted):
             self.accepted_per_position[k] += 1
 
     def conditional_acceptance(self) -> list[float]:
         """P(x_k accepted | x_<k accepted and x_k verified), per position."""
-        out = []
-        for k, verified in enumerate(self.verified_per_position):
-            accepted = self.accepted_per_position[k] if k < len(self.accepted_per_position) else 0
-            out.append(accepted / verified if verified else float("nan"))
-        return out
+        return [a / n if n else float("nan") for a, n in zip(self.accepted_per_position, self.reached_per_position)]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,6 +97,7 @@ class RequestStats:
             "tau": round(self.tau, 4),
             "accepted_per_position": list(self.accepted_per_position),
             "verified_per_position": list(self.verified_per_position),
+            "reached_per_position": list(self.reached_per_position),
             "tokens_per_s": round(self.tokens_per_second, 3),
             "time_to_first_token_s": None if self.first_token is None else round(self.first_token - self.started, 4),
             "seconds": None if self.finished is None else round(self.finished - self.started, 4),

@@ -57,14 +57,13 @@ def aggregate(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
     rounds = sum(o.stats.rounds for o in outputs)
     accepted = sum(o.stats.accepted for o in outputs)
     width = max((len(o.stats.verified_per_position) for o in outputs), default=0)
-    verified_k = [0] * width
-    accepted_k = [0] * width
+    verified_k, reached_k, accepted_k = [0] * width, [0] * width, [0] * width
     for o in outputs:
-        for k, n in enumerate(o.stats.verified_per_position):
-            verified_k[k] += n
-        for k, n in enumerate(o.stats.accepted_per_position):
-            accepted_k[k] += n
-    conditional = [a / v if v else math.nan for a, v in zip(accepted_k, verified_k)]
+        for total, counts in ((verified_k, o.stats.verified_per_position), (reached_k, o.stats.reached_per_position),
+                              (accepted_k, o.stats.accepted_per_position)):
+            for k, n in enumerate(counts):
+                total[k] += n
+    conditional = [a / n if n else math.nan for a, n in zip(accepted_k, reached_k)]
     survival, running = [], 1.0
     for c in conditional:
         running *= c
@@ -79,6 +78,7 @@ def aggregate(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
         "acceptance": conditional,
         "survival": survival,
         "verified_per_position": verified_k,
+        "reached_per_position": reached_k,
         "accepted_per_position": accepted_k,
         "verify_waste": (verified - accepted) / verified if verified else math.nan,
     }

@@ -41,11 +41,24 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class RegenerateConfig(_Section):
+    """Replace the dataset's answers by the target's own (SPEC §7.2) before training."""
+
+    enabled: bool = Field(False, description="answer the user turns with the target first")
+    turns: Literal["first", "all"] = Field("first", description="answer only the first user turn, or every turn")
+    max_new_tokens: int = Field(256, ge=1, description="tokens per answer")
+    max_batch: int = Field(16, ge=1, description="conversations decoded together")
+    shard_size: int = Field(64, ge=1, description="conversations per output shard (the resume unit)")
+    seed: int = Field(0, description="base seed of the answers' sampling")
+    dir: str | None = Field(None, description="output directory; None: <output.dir>/regenerated")
+
+
 class DataConfig(_Section):
     source: str = Field("sharegpt", description="'sharegpt' (the installed wheel) or a JSONL file of conversations")
     limit: int | None = Field(None, ge=1, description="first N conversations; None: all")
     max_length: int = Field(512, ge=8, description="tokens kept per conversation (its start)")
     eval_sequences: int = Field(0, ge=0, description="sequences held out (from the end) for eval")
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
 
 
 class FeaturesConfig(_Section):
@@ -153,7 +166,8 @@ class TrainConfig(_Section):
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {
         "target": {"model": "smollm2", "dtype": "bfloat16"},
-        "data": {"source": "sharegpt", "limit": 256, "max_length": 384, "eval_sequences": 8},
+        "data": {"source": "sharegpt", "limit": 192, "max_length": 384, "eval_sequences": 8,
+                 "regenerate": {"enabled": True, "turns": "first", "max_new_tokens": 192, "max_batch": 16}},
         "features": {"mode": "offline", "dtype": "bfloat16", "sequences_per_shard": 64},
         "drafter": {"layers": 2, "gamma": 7, "head": {"name": "markov", "rank": 256},
                     "confidence": {"name": "dspark-head", "rank": 256}},
@@ -164,7 +178,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "full": {
         "target": {"model": "smollm2", "dtype": "bfloat16"},
-        "data": {"source": "sharegpt", "limit": None, "max_length": 1024, "eval_sequences": 64},
+        "data": {"source": "sharegpt", "limit": None, "max_length": 1024, "eval_sequences": 64,
+                 "regenerate": {"enabled": True, "turns": "all", "max_new_tokens": 512, "max_batch": 32,
+                                "shard_size": 256}},
         "features": {"mode": "offline", "dtype": "bfloat16", "sequences_per_shard": 256},
         "drafter": {"layers": 5, "gamma": 7, "head": {"name": "markov", "rank": 256},
                     "confidence": {"name": "dspark-head", "rank": 256}},

@@ -28,7 +28,7 @@ from specforge.features import (
 from specforge.features.compute import as_pair
 
 __all__ = ["FeatureSource", "MemorySource", "OfflineSource", "OnlineSource", "anchors_for", "build_source", "epoch_order",
-           "load_sequences", "mix_seed"]
+           "load_conversations", "load_sequences", "mix_seed", "regenerate_answers"]
 
 
 def mix_seed(*parts: int) -> int:
@@ -142,28 +142,65 @@ def anchors_for(features: Sequence[SequenceFeatures], max_anchors: int, seed: in
 # -- building a source from the config ---------------------------------------------------------
 
 
-def load_sequences(config: Any, tokenizer: Any, log: Callable[[str], None] = print,
-                   progress: bool = True) -> list[tuple[Tensor, Tensor]]:
-    """Conversations of ``config.data`` tokenised with the chat template, keeping those with at
-    least one anchor (an assistant token followed by another)."""
-    from specforge.data import load_jsonl, load_sharegpt, tokenize_conversation
+def load_conversations(config: Any, log: Callable[[str], None] = print, progress: bool = True) -> list[Any]:
+    """The conversations ``config.data`` names (the ShareGPT wheel or a JSONL file)."""
+    from specforge.data import load_jsonl, load_sharegpt
 
     data = config.data
     if data.source == "sharegpt":
-        conversations, report = load_sharegpt(limit=data.limit, progress=progress)
+        conversations, _ = load_sharegpt(limit=data.limit, progress=progress)
     else:
         if not Path(data.source).is_file():
             raise FileNotFoundError(f"data.source: no such file {data.source!r} (give 'sharegpt' or a JSONL path)")
-        conversations, report = load_jsonl(data.source, limit=data.limit)
+        conversations, _ = load_jsonl(data.source, limit=data.limit)
+    return conversations
+
+
+def regenerated_dir(config: Any, out_dir: Path) -> Path:
+    regen = config.data.regenerate
+    return Path(regen.dir) if regen.dir else out_dir / "regenerated"
+
+
+def regenerate_answers(config: Any, target: Any, out_dir: Path, log: Callable[[str], None] = print,
+                       progress: bool = True) -> Path:
+    """Answer the conversations' user turns with the target (resumes a partial run; a complete
+    one is reused as it is).  Returns the output directory."""
+    from specforge.data.regenerate import regenerate
+
+    regen = config.data.regenerate
+    directory = regenerated_dir(config, out_dir)
+    conversations = load_conversations(config, log, progress)
+    report = regenerate(conversations, target, directory, source=config.data.source, turns=regen.turns,
+                        max_new_tokens=regen.max_new_tokens, seed=regen.seed, shard_size=regen.shard_size,
+                        max_batch=regen.max_batch, progress=progress)
+    log(f"regenerated answers: {report.summary()}")
+    return directory
+
+
+def load_sequences(config: Any, target: Any, out_dir: Path, log: Callable[[str], None] = print,
+                   progress: bool = True) -> list[tuple[Tensor, Tensor]]:
+    """Conversations of ``config.data`` (with the target's own answers when
+    ``data.regenerate.enabled``: :func:`regenerate_answers` must have run) tokenised with the chat
+    template, keeping those with at least one anchor (an assistant token followed by another)."""
+    from specforge.data import tokenize_conversation
+    from specforge.data.regenerate import iter_regenerated
+
+    data = config.data
+    if data.regenerate.enabled:
+        source = str(regenerated_dir(config, out_dir))
+        conversations = list(iter_regenerated(source))
+    else:
+        source = data.source
+        conversations = load_conversations(config, log, progress)
     pairs = []
     for conv in conversations:
-        tok = tokenize_conversation(tokenizer, conv, max_length=data.max_length)
+        tok = tokenize_conversation(target.tokenizer, conv, max_length=data.max_length)
         if len(anchor_candidates(tok.loss_mask)):
             pairs.append((tok.input_ids, tok.loss_mask))
-    log(f"data: {len(conversations)} conversations from {data.source}, {len(pairs)} with assistant tokens "
+    log(f"data: {len(conversations)} conversations from {source}, {len(pairs)} with assistant tokens "
         f"to train on ({sum(len(p[0]) for p in pairs)} tokens, ≤{data.max_length} each)")
     if not pairs:
-        raise ValueError(f"data.source {data.source!r} gave no conversation with assistant tokens to train on")
+        raise ValueError(f"data.source {source!r} gave no conversation with assistant tokens to train on")
     return pairs
 
 
@@ -175,11 +212,15 @@ def build_source(config: Any, target: Any, layer_ids: Sequence[int], out_dir: Pa
         raise ValueError(f"target {target.name!r} has no tokenizer to prepare data.source with")
     feats = config.features
     progress = config.output.progress and dist.is_main
+    if config.data.regenerate.enabled:  # rank 0 answers; the others wait, then read its output
+        if dist.is_main:
+            regenerate_answers(config, target, out_dir, log, progress)
+        dist.barrier()
     if feats.mode == "online":
-        return OnlineSource(target, load_sequences(config, target.tokenizer, log, progress), layer_ids)
+        return OnlineSource(target, load_sequences(config, target, out_dir, log, progress), layer_ids)
     cache_dir = Path(feats.cache_dir) if feats.cache_dir else out_dir / "features"
     if dist.is_main:
-        pairs = load_sequences(config, target.tokenizer, log, progress)
+        pairs = load_sequences(config, target, out_dir, log, progress)
         write_feature_cache(target, pairs, cache_dir, layer_ids, dtype=feats.dtype,
                             sequences_per_shard=feats.sequences_per_shard, progress=progress, log=log)
     dist.barrier()

@@ -1,0 +1,145 @@
+"""The main job (``specforge run``): data → drafter → evaluation on the embedded default, one command.
+
+1. *Data.*  The first ``data.limit`` ShareGPT conversations are answered by the target itself
+   (``data.regenerate``), so the drafter learns what SmolLM2 writes, not what ChatGPT wrote.
+2. *Features and training.*  The target's tapped hidden states go to the offline cache; a DSpark
+   drafter (backbone, Markov head, confidence head) is trained on them.
+3. *Evaluation.*  The trained drafter decodes prompts from each eval set at T = 0 and T = 1, and
+   plain decoding of the same target decodes the same prompts in the same run: τ, acceptance per
+   position and the speedup.
+
+Every stage leaves its output under ``output.dir`` and is resumed or reused by the next call:
+regeneration continues at its first missing shard, the feature cache is reused when its
+manifest matches, training resumes from its last checkpoint (and is skipped when complete), and
+an evaluation is reused when it was made with the same drafter and the same settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["drafter_fingerprint", "run_main_job"]
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def drafter_fingerprint(directory: Path) -> str:
+    """SHA-256 over a drafter directory's files (names and bytes): which weights were evaluated."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        h.update(path.relative_to(directory).as_posix().encode())
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _reusable(path: Path, fingerprint: str, settings: dict[str, Any], pipeline: dict[str, Any]) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        return None
+    meta = old.get("main_job", {})
+    if (meta.get("drafter_sha256") == fingerprint and old.get("settings") == settings
+            and old.get("pipeline") == pipeline):
+        return old
+    return None
+
+
+def run_main_job(train_sources: Sequence[str] = ("quick",), overrides: Sequence[str] = (),
+                 eval_settings: Any = None, eval_overrides: Sequence[str] = (),
+                 say: Callable[[str], None] = _say) -> dict[str, Any]:
+    """Run (or resume) the three stages; returns the evaluation result with a ``main_job`` section
+    (stage timings, the training summary, where everything is)."""
+    from specforge.config import load_pipeline
+    from specforge.evaluation import EvalSettings, evaluate, save
+    from specforge.training import Trainer, load_train_config
+    from specforge.training.checkpoint import latest_checkpoint
+
+    config = load_train_config(list(train_sources), list(overrides))
+    out = Path(config.output.dir)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    say(f"[1/3] data and training → {out} (regenerate: {config.data.regenerate.enabled}, "
+        f"{config.data.limit or 'all'} conversations, {config.drafter.layers}-layer DSpark, "
+        f"γ={config.drafter.gamma}, head {config.drafter.head.name})")
+    ckpts = out / "checkpoints"
+    last = latest_checkpoint(ckpts)[0] if ckpts.is_dir() else None
+    trainer = Trainer.resume(out, config) if last is not None else Trainer(config)
+    try:
+        if trainer.step < trainer.total_steps:
+            say(f"training steps {trainer.step}..{trainer.total_steps}"
+                + (f" (resumed from {trainer.resumed_from})" if trainer.resumed_from else ""))
+            trainer.train()
+        else:
+            say(f"training already complete ({trainer.total_steps} steps); reusing {out / 'drafter'}")
+            if not (out / "drafter").is_dir():
+                trainer.export(out / "drafter")
+        train_summary = _train_summary(out)
+        target = trainer.target
+    finally:
+        trainer.close()
+    timings["data_and_training_s"] = time.perf_counter() - t0
+
+    say("[2/3] evaluation: trained drafter vs plain decoding, same prompts, same run")
+    t1 = time.perf_counter()
+    settings = eval_settings or EvalSettings(prompts=3, max_new_tokens=96)
+    pipeline = load_pipeline(["dspark"], [*_pipeline_overrides(config, out / "drafter"), *eval_overrides])
+    fingerprint = drafter_fingerprint(out / "drafter")
+    eval_dir = out / "eval"
+    result = _reusable(eval_dir / "eval.json", fingerprint, settings.to_dict(), pipeline.to_dict())
+    if result is not None:
+        say(f"reusing {eval_dir / 'eval.json'} (same drafter, same settings)")
+    else:
+        result = evaluate(pipeline, settings, target=target)
+        result["main_job"] = {"drafter_sha256": fingerprint}
+    timings["eval_s"] = time.perf_counter() - t1
+    result["main_job"].update({"output_dir": str(out), "training": train_summary, "seconds": timings,
+                               "train_config": config.to_dict()})
+    save(result, eval_dir)
+    say(f"[3/3] done in {time.perf_counter() - t0:.0f} s; results in {eval_dir}")
+    return result
+
+
+def _pipeline_overrides(config: Any, drafter_dir: Path) -> list[str]:
+    """The ``dspark`` preset adjusted to what was trained: target, checkpoint, head kinds and sizes."""
+    d = config.drafter
+    items = [f"drafter.checkpoint={drafter_dir}", f"target.model={config.target.model}",
+             f"target.dtype={config.target.dtype}", f"correction_head.name={d.head.name}"]
+    if d.head.name != "none":
+        items.append(f"correction_head.rank={d.head.rank}")
+    if d.confidence.name == "none":  # no trained confidence head: every position is verified anyway
+        items.append("confidence.name=constant")
+    else:
+        items += [f"confidence.rank={d.confidence.rank}", f"confidence.embedding={d.confidence.embedding}"]
+    return items
+
+
+def _train_summary(out: Path) -> dict[str, Any]:
+    """Last training line of metrics.jsonl, and the last held-out eval line if any."""
+    path = out / "metrics.jsonl"
+    last: dict[str, Any] = {}
+    held: dict[str, Any] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("split") == "train":
+                last = rec
+            elif rec.get("split") == "eval":
+                held = rec
+    keep = ("step", "loss", "tau", "accept_rate@1")
+    return {"train": {k: last[k] for k in keep if k in last}, "held_out": {k: held[k] for k in keep if k in held}}
