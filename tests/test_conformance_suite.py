@@ -106,3 +106,21 @@ def test_uniforms_are_never_shared_by_requests(chost):
     b = run_case(case, chost).counts
     c = run_case(replace(case, seed=10_000), chost).counts
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_multi_seed_run_resumes_from_its_output_file(tmp_path):
+    """The false-alarm run is long: an interrupted one keeps its finished seeds and runs only the rest."""
+    out = tmp_path / "seeds.json"
+    base = [sys.executable, "-m", "specforge", "conformance", "--plugin", "greedy", "--n", "200",
+            "--no-deterministic", "--out", str(out)]
+    first = subprocess.run([*base, "--seeds", "2"], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-2000:]
+    done = json.loads(out.read_text())
+    assert [r["seed"] for r in done["seeds"]] == [0, 1] and done["passed"]
+    second = subprocess.run([*base, "--seeds", "3"], capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "2 of 3 seeds already done, resuming" in second.stderr
+    assert "seed 0:" not in second.stderr and "seed 2: passed" in second.stderr
+    again = json.loads(out.read_text())
+    assert [r["seed"] for r in again["seeds"]] == [0, 1, 2] and again["complete"]
+    assert again["seeds"][:2] == done["seeds"]  # kept as they were, not re-run

@@ -117,8 +117,9 @@ class Trainer:
             self.shared = SharedWeights(rt.embed.to(dev), rt.lm_head.to(dev), self.shared.embed_scale,
                                         None if rt.inv_freq is None else rt.inv_freq.to(dev), self.shared.rope_scaling)
         backbone = BlockBackbone(self.block_config, self.shared, seed=d.seed)
-        with torch.no_grad():  # the frozen LM head was trained on the target's final norm's output scale
-            backbone.norm.weight.copy_(rt.norm.detach().float())
+        if d.norm_init_scale is not None:  # the frozen LM head was trained on the target's norm's scale
+            with torch.no_grad():
+                backbone.norm.weight.copy_(d.norm_init_scale * rt.norm.detach().float())
         head = None if d.head.name == "none" else HEADS[d.head.name](d.head.head_config())
         confidence = None if d.confidence.name == "none" else DSparkConfidence(d.confidence.head_config())
         for m in (head, confidence):
