@@ -192,7 +192,7 @@ def test_config_errors_name_the_key_and_the_valid_keys(tmp_path):
     assert "bogus: unknown key; valid keys: target, data," in msg
     with pytest.raises(TrainConfigError, match="drafter.head.name: Input should be 'none', 'markov', 'gated' or 'rnn'"):
         load_train_config("quick", ["drafter.head.name=lstm"])
-    with pytest.raises(TrainConfigError, match="no such config file or training preset; presets: full, quick"):
+    with pytest.raises(TrainConfigError, match="no such config file or training preset; presets: full, medium, quick"):
         load_train_config("quik")
 
     # YAML files compose over presets; overriding total_steps replaces the preset's epochs.

@@ -50,7 +50,7 @@ def tiny_config(out_dir: str | Path, steps: int = 8, **output) -> TrainConfig:
     return TrainConfig.model_validate({
         "target": {"model": "tiny", "dtype": "float32"},
         "drafter": {"layers": 1, "gamma": 4, "target_layers": LAYERS, "head": {"name": "markov", "rank": 8},
-                    "confidence": {"name": "dspark-head", "rank": 8}},
+                    "confidence": {"name": "dspark-head", "rank": 8}, "norm_init_scale": None},
         "optimizer": {"lr": 3e-3},
         "schedule": {"total_steps": steps, "warmup_steps": 2, "min_lr": 3e-4},
         "batch": {"sequences": 4, "anchors": 4},

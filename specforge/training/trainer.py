@@ -152,12 +152,34 @@ class Trainer:
         s = c.schedule
         self.total_steps = s.total_steps or max(1, round(s.epochs * self.steps_per_epoch))
         self.step, self.epoch, self.batch_index = 0, 0, 0
+        self._loss_fn = self._choose_loss(target.args.vocab_size)
         self._order: tuple[int, list[int]] | None = None
         self.history: list[dict[str, Any]] = []
         self.resumed_from: Path | None = None
         self.skipped: list[str] = []  # damaged checkpoints passed over by resume()
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _choose_loss(self, vocab: int) -> Callable[..., Any]:
+        """The loss, compiled when that pays: it makes ~10 elementwise passes over [blocks, γ, V]
+        tensors, which inductor fuses into a few; with a small vocabulary compiling costs more
+        than it saves.  A compiler failure falls back to eager, with a message."""
+        mode = self.config.compile
+        if mode == "off" or (mode == "auto" and vocab < 8192):
+            return dspark_loss
+        compiled = torch.compile(dspark_loss, dynamic=True)
+
+        def loss(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if compiled is not dspark_loss:
+                try:
+                    return compiled(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - any backend error: train on, eagerly
+                    self.log(f"torch.compile of the loss failed ({type(exc).__name__}: {exc}); using eager")
+                    compiled = dspark_loss
+            return dspark_loss(*args, **kwargs)
+
+        return loss
 
     def log(self, msg: str) -> None:
         if self.dist.is_main:
@@ -213,7 +235,7 @@ class Trainer:
             loss_local, local = out, torch.zeros(8 + 2 * gamma, dtype=torch.float64)
         else:
             logits, conf = out
-            res = dspark_loss(logits, inputs["labels"], inputs["p_t"], inputs["valid"], conf, gamma=gamma,
+            res = self._loss_fn(logits, inputs["labels"], inputs["p_t"], inputs["valid"], conf, gamma=gamma,
                               ce_weight=c.loss.ce_weight, tv_weight=c.loss.tv_weight, conf_weight=c.loss.conf_weight)
             blocks = res.mask[:, 0].sum()
             loss_local = res.total * blocks
