@@ -158,10 +158,9 @@ class TrainConfig(_Section):
         "auto", description="autocast dtype of the drafter forward (weights stay float32); auto: bfloat16 on "
                             "CUDA, float32 on CPU, where bf16 matmuls are slower without AMX")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    compile: Literal["auto", "on", "off"] = Field(
-        "auto", description="torch.compile the loss (fuses the passes over the [blocks, γ, V] "
-                            "tensors: ~3× faster on SmolLM2's vocabulary, ~1 min to compile); auto: "
-                            "on for vocabularies of 8192 or more")
+    compile: bool | None = Field(
+        None, description="torch.compile the loss (fuses its passes over the [blocks, γ, V] tensors; "
+                          "about a minute to compile); None: only for vocabularies of 8192 or more")
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:

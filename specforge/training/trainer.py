@@ -136,7 +136,10 @@ class Trainer:
         o = c.optimizer
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}],
-                                           lr=o.lr, betas=o.betas, eps=o.eps)
+                                           lr=o.lr, betas=o.betas, eps=o.eps,
+                                           # one fused kernel per tensor: ~4× faster than the
+                                           # foreach path over the V×r head tables on a CPU
+                                           fused=dev.type in ("cpu", "cuda"))
 
         # Data: the last eval_sequences sequences are held out; the rest is shuffled per epoch.
         n = len(self.source)
@@ -164,8 +167,8 @@ class Trainer:
         """The loss, compiled when that pays: it makes ~10 elementwise passes over [blocks, γ, V]
         tensors, which inductor fuses into a few; with a small vocabulary compiling costs more
         than it saves.  A compiler failure falls back to eager, with a message."""
-        mode = self.config.compile
-        if mode == "off" or (mode == "auto" and vocab < 8192):
+        wanted = self.config.compile
+        if wanted is False or (wanted is None and vocab < 8192):
             return dspark_loss
         compiled = torch.compile(dspark_loss, dynamic=True)
 
