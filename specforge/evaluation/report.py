@@ -40,6 +40,7 @@ def acceptance_plot(result: dict[str, Any], path: str | Path) -> Path:
     """Conditional acceptance against draft position, one line per dataset, a panel per temperature."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     rows = result["results"]
     temps = sorted({r["temperature"] for r in rows})
@@ -51,6 +52,7 @@ def acceptance_plot(result: dict[str, Any], path: str | Path) -> Path:
             ks = list(range(1, len(r["acceptance"]) + 1))
             ax.plot(ks, r["acceptance"], marker="o", label=f"{r['dataset']} (τ {r['tau']:.2f})")
         ax.set_ylim(0, 1.02)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("draft position k")
         ax.set_ylabel("P(x_k accepted | x_<k accepted)")
         ax.set_title(f"T = {t:g}")
