@@ -66,9 +66,8 @@ def run(args: argparse.Namespace) -> int:
     tier = "full" if args.full else "fast"
     if args.seeds > 1:
         return _run_seeds(args, tier)
-    reports = [run_suite(tier=tier, plugins=args.plugin, seed=args.seed, n=args.n, progress=_progress,
-                         deterministic=not args.no_deterministic)]
-    report = reports[0]
+    report = run_suite(tier=tier, plugins=args.plugin, seed=args.seed, n=args.n, progress=_progress,
+                       deterministic=not args.no_deterministic)
     text = report.table() + ("\n\n" + report.explain() if not report.passed else "")
     text += f"\n\n{'PASSED' if report.passed else 'FAILED'} ({report.tier} tier, {report.seconds:.0f} s)"
     _emit(args, report.to_dict(), text)

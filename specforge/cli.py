@@ -10,6 +10,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -184,15 +185,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _eval_settings(args: argparse.Namespace, **more: Any):
+    """EvalSettings from the options :func:`_add_eval_options` declared (plus command-specific ones)."""
+    from specforge.evaluation import EvalSettings
+
+    return EvalSettings(datasets=args.dataset or EvalSettings.datasets, prompts=args.prompts,
+                        temperatures=args.temperature, max_new_tokens=args.max_new_tokens, **more)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """τ, per-position acceptance and speedup of a pipeline on prompt sets."""
-    from specforge.evaluation import EvalSettings, evaluate, save, table
+    from specforge.evaluation import evaluate, save, table
 
     pipeline = load_pipeline(args.config or ["dspark"], args.overrides)
-    settings = EvalSettings(datasets=args.dataset or EvalSettings.datasets, prompts=args.prompts,
-                            temperatures=args.temperature, max_new_tokens=args.max_new_tokens,
-                            concurrency=args.concurrency, speedup=not args.no_speedup, seed=args.seed,
-                            eval_dir=args.eval_dir)
+    settings = _eval_settings(args, concurrency=args.concurrency, speedup=not args.no_speedup, seed=args.seed,
+                              eval_dir=args.eval_dir)
     result = evaluate(pipeline, settings)
     json_path, png_path = save(result, args.out)
     print(json.dumps(result, indent=2) if args.json else table(result))
@@ -202,12 +209,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """The main job: regenerate data with the target, train DSpark, evaluate; resumable."""
-    from specforge.evaluation import EvalSettings, table
+    from specforge.evaluation import table
     from specforge.main_job import run_main_job
 
-    settings = EvalSettings(datasets=args.dataset or EvalSettings.datasets, prompts=args.prompts,
-                            max_new_tokens=args.max_new_tokens, temperatures=args.temperature)
-    result = run_main_job(args.config or ["quick"], args.overrides, settings)
+    result = run_main_job(args.config or ["quick"], args.overrides, _eval_settings(args))
     if args.json:
         print(json.dumps(result, indent=2))
         return EXIT_OK
@@ -227,6 +232,15 @@ def cmd_config_presets(args: argparse.Namespace) -> int:
     for name in preset_names():
         print(name)
     return EXIT_OK
+
+
+def _add_eval_options(p: argparse.ArgumentParser, prompts: int, max_new_tokens: int) -> None:
+    """The evaluation options `eval` and `run` share."""
+    p.add_argument("--dataset", action="append", metavar="NAME|FILE.jsonl",
+                   help="prompt set (repeatable; default: gsm8k math500 humaneval mbpp mt-bench)")
+    p.add_argument("--prompts", type=int, default=prompts, help="prompts per set")
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens per answer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -299,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser(
         "train",
         help="train a drafter (resumes from the output directory's last checkpoint)",
-        description="Compose training configs (presets: quick, full; or YAML files) with key=value "
+        description="Compose training configs (presets: quick, medium, full; or YAML files) with key=value "
         "overrides, build or reuse the feature cache, and train; a killed run resumes where its "
         "last checkpoint left off.",
     )
@@ -319,12 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the eval sets.  Each stage resumes or reuses what an earlier call made.",
     )
     rn.add_argument("--config", action="append", metavar="FILE|PRESET",
-                    help="training config (presets: quick, full; default: quick)")
-    rn.add_argument("--dataset", action="append", metavar="NAME|FILE.jsonl",
-                    help="eval set (repeatable; default: all five in the eval directory)")
-    rn.add_argument("--prompts", type=int, default=3, help="eval prompts per set")
-    rn.add_argument("--max-new-tokens", type=int, default=96, help="tokens per eval answer")
-    rn.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+                    help="training config (presets: quick, medium, full; default: quick)")
+    _add_eval_options(rn, prompts=3, max_new_tokens=96)
     rn.add_argument("--json", action="store_true", help="print the JSON result")
     rn.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides")
     rn.set_defaults(func=cmd_run)
@@ -339,11 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--config", action="append", metavar="FILE|PRESET",
                     help="pipeline config (repeatable; default: 'dspark', the main job's trained drafter)")
-    ev.add_argument("--dataset", action="append", metavar="NAME|FILE.jsonl",
-                    help="prompt set (repeatable; default: gsm8k math500 humaneval mbpp mt-bench)")
-    ev.add_argument("--prompts", type=int, default=8, help="prompts per set")
-    ev.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
-    ev.add_argument("--max-new-tokens", type=int, default=128)
+    _add_eval_options(ev, prompts=8, max_new_tokens=128)
     ev.add_argument("--concurrency", type=int, default=1, help="requests decoded together")
     ev.add_argument("--no-speedup", action="store_true", help="skip the plain-decoding baseline")
     ev.add_argument("--seed", type=int, default=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,25 @@ class RequestStats:
             self.reached_per_position[k] += 1
         for k in range(accepted):
             self.accepted_per_position[k] += 1
+
+    @classmethod
+    def pooled(cls, stats: Iterable[RequestStats]) -> RequestStats:
+        """The counters of several requests added up (rounds, counts and per-position counts)."""
+        total = cls()
+        for s in stats:
+            total.rounds += s.rounds
+            total.drafted += s.drafted
+            total.verified += s.verified
+            total.accepted += s.accepted
+            total.emitted += s.emitted
+            total.prompt_tokens += s.prompt_tokens
+            for mine, theirs in ((total.verified_per_position, s.verified_per_position),
+                                 (total.reached_per_position, s.reached_per_position),
+                                 (total.accepted_per_position, s.accepted_per_position)):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for k, n in enumerate(theirs):
+                    mine[k] += n
+        return total
 
     def conditional_acceptance(self) -> list[float]:
         """P(x_k accepted | x_<k accepted and x_k verified), per position."""

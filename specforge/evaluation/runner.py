@@ -27,6 +27,7 @@ from typing import Any
 from specforge.bench.prompts import apply_chat_template, select_prompts
 from specforge.config import EngineConfig, PipelineConfig
 from specforge.engine import Engine, GenerationRequest, RequestOutput
+from specforge.engine.request import RequestStats
 
 __all__ = ["EvalSettings", "aggregate", "evaluate"]
 
@@ -54,32 +55,24 @@ class EvalSettings:
 
 def aggregate(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
     """Acceptance statistics of a set of finished requests, pooled over all their rounds."""
-    rounds = sum(o.stats.rounds for o in outputs)
-    accepted = sum(o.stats.accepted for o in outputs)
-    width = max((len(o.stats.verified_per_position) for o in outputs), default=0)
-    verified_k, reached_k, accepted_k = [0] * width, [0] * width, [0] * width
-    for o in outputs:
-        for total, counts in ((verified_k, o.stats.verified_per_position), (reached_k, o.stats.reached_per_position),
-                              (accepted_k, o.stats.accepted_per_position)):
-            for k, n in enumerate(counts):
-                total[k] += n
-    conditional = [a / n if n else math.nan for a, n in zip(accepted_k, reached_k)]
+    pooled = RequestStats.pooled(o.stats for o in outputs)
+    conditional = pooled.conditional_acceptance()
     survival, running = [], 1.0
     for c in conditional:
         running *= c
         survival.append(running)
-    verified = sum(verified_k)
+    verified, accepted, rounds = pooled.verified, pooled.accepted, pooled.rounds
     return {
         "requests": len(outputs),
         "failed": sum(1 for o in outputs if o.error),
         "new_tokens": sum(len(o.token_ids) for o in outputs),
         "rounds": rounds,
-        "tau": (accepted + rounds) / rounds if rounds else math.nan,
+        "tau": pooled.tau if rounds else math.nan,
         "acceptance": conditional,
         "survival": survival,
-        "verified_per_position": verified_k,
-        "reached_per_position": reached_k,
-        "accepted_per_position": accepted_k,
+        "verified_per_position": pooled.verified_per_position,
+        "reached_per_position": pooled.reached_per_position,
+        "accepted_per_position": pooled.accepted_per_position,
         "verify_waste": (verified - accepted) / verified if verified else math.nan,
     }
 
@@ -136,9 +129,9 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
         for engine in (spec, plain):
             if engine is not None:
                 engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
-        head_before = getattr(drafter, "seconds", {}).get("head", 0.0)
+        head_before = getattr(drafter, "head_seconds", 0.0)
         outs, seconds = _timed(spec, _requests(ids, temperature, settings))
-        head = getattr(drafter, "seconds", {}).get("head", 0.0) - head_before
+        head = getattr(drafter, "head_seconds", 0.0) - head_before
         row = {"dataset": prompts[0].dataset if prompts else str(name), "temperature": float(temperature),
                **aggregate(outs), "seconds": seconds}
         row["tok_s"] = row["new_tokens"] / seconds if seconds > 0 else math.nan

@@ -142,7 +142,7 @@ def anchors_for(features: Sequence[SequenceFeatures], max_anchors: int, seed: in
 # -- building a source from the config ---------------------------------------------------------
 
 
-def load_conversations(config: Any, log: Callable[[str], None] = print, progress: bool = True) -> list[Any]:
+def load_conversations(config: Any, progress: bool = True) -> list[Any]:
     """The conversations ``config.data`` names (the ShareGPT wheel or a JSONL file)."""
     from specforge.data import load_jsonl, load_sharegpt
 
@@ -169,7 +169,7 @@ def regenerate_answers(config: Any, target: Any, out_dir: Path, log: Callable[[s
 
     regen = config.data.regenerate
     directory = regenerated_dir(config, out_dir)
-    conversations = load_conversations(config, log, progress)
+    conversations = load_conversations(config, progress)
     report = regenerate(conversations, target, directory, source=config.data.source, turns=regen.turns,
                         max_new_tokens=regen.max_new_tokens, seed=regen.seed, shard_size=regen.shard_size,
                         max_batch=regen.max_batch, progress=progress)
@@ -191,7 +191,7 @@ def load_sequences(config: Any, target: Any, out_dir: Path, log: Callable[[str],
         conversations = list(iter_regenerated(source))
     else:
         source = data.source
-        conversations = load_conversations(config, log, progress)
+        conversations = load_conversations(config, progress)
     pairs = []
     for conv in conversations:
         tok = tokenize_conversation(target.tokenizer, conv, max_length=data.max_length)

@@ -174,13 +174,14 @@ class Trainer:
 
         def loss(*args: Any, **kwargs: Any) -> Any:
             nonlocal compiled
-            if compiled is not dspark_loss:
-                try:
-                    return compiled(*args, **kwargs)
-                except Exception as exc:  # noqa: BLE001 - any backend error: train on, eagerly
-                    self.log(f"torch.compile of the loss failed ({type(exc).__name__}: {exc}); using eager")
-                    compiled = dspark_loss
-            return dspark_loss(*args, **kwargs)
+            try:
+                return compiled(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - any backend error: train on, eagerly
+                if compiled is dspark_loss:
+                    raise
+                self.log(f"torch.compile of the loss failed ({type(exc).__name__}: {exc}); using eager")
+                compiled = dspark_loss
+                return dspark_loss(*args, **kwargs)
 
         return loss
 
