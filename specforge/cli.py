@@ -18,6 +18,7 @@ from rich.table import Table
 from specforge import __version__
 from specforge.config import ConfigError, load_pipeline, preset_names
 from specforge.plugins import PluginError, get_host
+from specforge.profiling import DEFAULT_BATCHES
 from specforge.target import TargetLoadError, UnsupportedModelError
 from specforge.registry import ComponentKind
 
@@ -145,11 +146,13 @@ def _stats_line(outputs) -> str:
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from specforge.bench.engine_bench import run_engine_benchmark, save, table
+    from specforge.hardware import HardwareProfile
 
     result = run_engine_benchmark(
         datasets=args.datasets, n_prompts=args.prompts, concurrency=args.concurrency,
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, systems=args.systems,
         per_dataset=args.per_dataset, eval_directory=args.eval_dir,
+        profile=HardwareProfile.load(args.profile) if args.profile else None,
     )
     json_path, png_path = save(result, Path(args.out))
     if args.json:
@@ -159,6 +162,27 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         for name, row in result["per_dataset_ngram"].items():
             print(f"ngram ÷ engine AR on {name}: {row['ngram_over_ar']:.2f} (tau {row['tau']})")
     print(f"wrote {json_path} and {png_path}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure SPS(B) of the target; write the hardware profile the schedulers read."""
+    from specforge.profiling import measure_sps, plot_profile, profile_table
+    from specforge.target import TargetModel
+
+    target = TargetModel.load(args.model, args.dtype)
+    profile, records = measure_sps(target, args.batches, context=args.context, requests=args.requests,
+                                   reps=args.reps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile.save(out / "profile.json")
+    (out / "timings.json").write_text(json.dumps({"model": args.model, "dtype": args.dtype,
+                                                  "context": args.context, "device": profile.device,
+                                                  "records": records}, indent=2) + "\n")
+    plot_profile(records, out / "profile.png", f"{args.model} ({args.dtype}), {profile.device}")
+    print(json.dumps(records, indent=2) if args.json else profile_table(records))
+    print(f"wrote {out / 'profile.json'} (use it as scheduler.profile=...), timings.json and profile.png",
+          file=sys.stderr)
     return EXIT_OK
 
 
@@ -306,9 +330,28 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--per-dataset", nargs="*", default=[], metavar="DATASET",
                     help="also report ngram ÷ plain at concurrency 1 on each of these sets")
     eb.add_argument("--eval-dir", default=None, help="directory of the eval JSONL sets")
+    eb.add_argument("--profile", default=None, metavar="FILE",
+                    help="hardware profile for the ngram-hw variant (default: measure SPS(B) first, in the run)")
     eb.add_argument("--out", default="runs/bench-engine", help="where engine.json and engine.png go")
     eb.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     eb.set_defaults(func=cmd_bench_engine)
+
+    pf = sub.add_parser(
+        "profile",
+        help="measure the target's step curve SPS(B) (the hardware profile hw-prefix/async-topk read)",
+        description="Time verify passes of B flattened tokens (spread over cached requests, logits for "
+        "every row) for each B; write profile.json, timings.json, a table and profile.png.",
+    )
+    pf.add_argument("--model", default="smollm2", help="embedded default, HF directory or GGUF file")
+    pf.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    pf.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES), metavar="B",
+                    help="flattened batch sizes to time")
+    pf.add_argument("--context", type=int, default=256, help="cached tokens per request")
+    pf.add_argument("--requests", type=int, default=16, help="requests a batch is spread over (at most)")
+    pf.add_argument("--reps", type=int, default=5, help="timed passes per B (the median is kept)")
+    pf.add_argument("--out", default="runs/profile", help="output directory")
+    pf.add_argument("--json", action="store_true", help="print the timings as JSON instead of the table")
+    pf.set_defaults(func=cmd_profile)
 
     tr = sub.add_parser(
         "train",

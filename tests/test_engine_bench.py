@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specforge.bench.engine_bench import add_ratios, bench_engine_variant, plot, table
+from specforge.hardware import HardwareProfile
 from specforge.target import TargetModel
 from tiny_models import tiny_model
 
@@ -18,6 +20,27 @@ def test_a_timed_run_produces_a_complete_record():
         assert rec["new_tokens"] == rec["n_requests"] * 12 and rec["rounds"] >= 2
         assert rec["tok_s"] > 0 and rec["extra"]["tau"] >= 1.0
     assert bench_engine_variant(target, prompts, "plain", 1, 12, progress=False)["extra"]["tau"] == 1.0
+
+
+def test_ngram_hw_verifies_what_the_step_curve_pays_for():
+    """A curve that collapses past B = R leaves nothing worth verifying; a flat one verifies
+    every proposal, exactly as the fixed scheduler does."""
+    target = TargetModel(tiny_model("llama", seed=2, eos=None), None, torch.float32)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11]]
+    steep = HardwareProfile([1.0, 1.0, 0.01])  # B = 2 requests: a third token costs 100x
+    rec = bench_engine_variant(target, prompts, "ngram-hw", 2, 12, progress=False, profile=steep)
+    assert rec["extra"]["verified"] == 0 and rec["extra"]["tau"] == 1.0
+    flat = HardwareProfile([1.0] * 16)
+    hw = bench_engine_variant(target, prompts, "ngram-hw", 2, 12, progress=False, profile=flat)
+    fixed = bench_engine_variant(target, prompts, "ngram", 2, 12, progress=False)
+    assert hw["extra"]["verified"] == fixed["extra"]["verified"] > 0
+    assert hw["extra"]["accepted"] == fixed["extra"]["accepted"]
+
+
+def test_ngram_hw_needs_a_profile():
+    target = TargetModel(tiny_model("llama", seed=2, eos=None), None, torch.float32)
+    with pytest.raises(ValueError, match="hardware profile"):
+        bench_engine_variant(target, [[5, 6, 7]], "ngram-hw", 1, 4, progress=False)
 
 
 def records():

@@ -23,6 +23,8 @@ from specforge.bench.prompts import apply_chat_template, select_prompts
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import get_host
+from specforge.hardware import HardwareProfile
+from specforge.profiling import DEFAULT_BATCHES, measure_sps
 from specforge.target import TargetModel
 
 __all__ = ["ENGINE_VARIANTS", "bench_engine_variant", "run_engine_benchmark", "table", "plot"]
@@ -31,20 +33,31 @@ __all__ = ["ENGINE_VARIANTS", "bench_engine_variant", "run_engine_benchmark", "t
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
     "plain": None,
     "ngram": ("ngram", {"gamma": 5, "max_ngram": 3, "min_ngram": 1}),
+    # The same drafter under the hardware-aware scheduler: each round verifies only the draft
+    # tokens whose expected yield pays for the bigger pass at the current load (SPS curve
+    # measured in the same run).  0.4 per position is ngram's acceptance on these sets (τ ≈ 1.5
+    # at γ = 5); a constant carries no per-token information, so this is load-awareness only.
+    "ngram-hw": ("ngram", {"gamma": 5, "max_ngram": 3, "min_ngram": 1}),
 }
+HW_CONFIDENCE = 0.4
 
 
-def _engine(target: TargetModel, variant: str, concurrency: int, max_new_tokens: int) -> Engine:
+def _engine(target: TargetModel, variant: str, concurrency: int, max_new_tokens: int,
+            profile: HardwareProfile | None = None) -> Engine:
     host = get_host()
     spec = ENGINE_VARIANTS[variant]
     parts: dict[str, Any] = {}
     if spec is not None:
-        parts = dict(
-            drafter=host.create_drafter(*spec),
-            confidence=host.create_confidence("constant", {}),
-            calibrator=host.create_calibrator("identity", {}),
-            scheduler=host.create_scheduler("fixed", {}),
-        )
+        confidence, scheduler = host.create_confidence("constant", {}), host.create_scheduler("fixed", {})
+        if variant.endswith("-hw"):
+            if profile is None:
+                raise ValueError(f"variant {variant!r} needs a hardware profile")
+            # Dense up to the largest measured B; beyond it the inline curve extrapolates the same way.
+            largest = profile.points()[-1][0]
+            scheduler = host.create_scheduler("hw-prefix", {"sps": [profile.sps(b) for b in range(1, largest + 1)]})
+            confidence = host.create_confidence("constant", {"value": HW_CONFIDENCE})
+        parts = dict(drafter=host.create_drafter(*spec), confidence=confidence,
+                     calibrator=host.create_calibrator("identity", {}), scheduler=scheduler)
     return Engine(
         target, host.create_verifier("greedy"), **parts,
         sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens),
@@ -60,11 +73,13 @@ def bench_engine_variant(
     max_new_tokens: int = 128,
     min_rounds: int = 2,
     progress: bool = True,
+    profile: HardwareProfile | None = None,
 ) -> dict[str, Any]:
-    """Time the engine: rounds of ``concurrency`` requests submitted together."""
+    """Time the engine: rounds of ``concurrency`` requests submitted together (``profile``: the
+    step curve the ``-hw`` variants schedule with)."""
     from tqdm.auto import tqdm
 
-    engine = _engine(target, variant, concurrency, max_new_tokens)
+    engine = _engine(target, variant, concurrency, max_new_tokens, profile)
     plan = rounds_for(len(prompt_ids), concurrency, min_rounds)
 
     def requests(indices: Sequence[int], n: int) -> list[GenerationRequest]:
@@ -158,7 +173,10 @@ def run_engine_benchmark(
     per_dataset: Sequence[str] = (),
     eval_directory: str | None = None,
     progress: bool = True,
+    profile: HardwareProfile | None = None,
 ) -> dict[str, Any]:
+    """Every system on the same prompts; ``profile`` (default: measured here, first) is the step
+    curve of the ``ngram-hw`` variant."""
     target = TargetModel.load("smollm2", dtype)
     picked = select_prompts(datasets, n_prompts, directory=eval_directory)
     prompt_ids = [apply_chat_template(target.tokenizer, p.text) for p in picked]
@@ -168,11 +186,18 @@ def run_engine_benchmark(
         # are a separate copy, so this measures transformers' generate unchanged.
         records.extend(bench_hf(prompt_ids, dtypes=[dtype], concurrencies=[1],
                                 max_new_tokens=max_new_tokens, progress=progress))
+    profile_records = None
     if "specforge" in systems:
+        if profile is None:
+            # Up to the largest verify pass a round can form: every request with its full block.
+            gamma = max(spec[1]["gamma"] for spec in ENGINE_VARIANTS.values() if spec is not None)
+            largest = max(concurrency) * (gamma + 1)
+            batches = sorted({b for b in DEFAULT_BATCHES if b < largest} | {largest})
+            profile, profile_records = measure_sps(target, batches, requests=max(concurrency), progress=progress)
         for c in concurrency:
             for variant in ENGINE_VARIANTS:
                 records.append(bench_engine_variant(target, prompt_ids, variant, c, max_new_tokens,
-                                                    progress=progress))
+                                                    progress=progress, profile=profile))
     if "vllm" in systems:
         from specforge.bench.vllm_client import bench_vllm
 
@@ -196,6 +221,8 @@ def run_engine_benchmark(
         "prompts": [p.to_dict() for p in picked],
         "records": records,
         "per_dataset_ngram": by_dataset,
+        "hardware_profile": None if profile is None else profile.to_dict(),
+        "profile_timings": profile_records,
     }
 
 
@@ -203,4 +230,6 @@ def save(result: dict[str, Any], out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "engine.json"
     path.write_text(json.dumps(result, indent=2))
+    if result.get("hardware_profile"):  # the step curve ngram-hw scheduled with, reusable via --profile
+        HardwareProfile.from_dict(result["hardware_profile"]).save(out / "profile.json")
     return path, plot(result["records"], out / "engine.png")
