@@ -200,3 +200,18 @@ def test_target_sampling_reads_only_what_the_checkpoint_sets():
     recommended = target_sampling(fake(do_sample=True, temperature=0.7, top_p=0.9))
     assert recommended == {"temperature": 0.7, "top_k": 0, "top_p": 0.9}
     assert target_sampling(fake(do_sample=False))["temperature"] == 0.0
+
+
+def test_training_config_sampling_reaches_the_regeneration(target, tmp_path):
+    """data.regenerate.temperature/top_k/top_p override the checkpoint's recommendation (for a
+    model whose recommended sampling lives only on its model card) and are pinned in the manifest."""
+    from specforge.training.config import TrainConfig
+    from specforge.training.data import regenerate_answers
+
+    source = tmp_path / "convs.jsonl"
+    source.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in dataset()[:3]))
+    config = TrainConfig.model_validate({"data": {"source": str(source), "regenerate": {
+        "enabled": True, "max_new_tokens": 4, "shard_size": 2, "temperature": 0.0, "top_k": 3, "top_p": 0.5}}})
+    out = regenerate_answers(config, target, tmp_path / "run", log=lambda _: None, progress=False)
+    sampling = json.loads((out / MANIFEST).read_text())["sampling"]
+    assert (sampling["temperature"], sampling["top_k"], sampling["top_p"]) == (0.0, 3, 0.5)

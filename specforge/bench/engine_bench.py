@@ -22,8 +22,8 @@ from specforge.bench.hf_baseline import bench_hf, rounds_for, summarize
 from specforge.bench.prompts import apply_chat_template, select_prompts
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
-from specforge.plugins import get_host
 from specforge.hardware import HardwareProfile
+from specforge.plugins import get_host
 from specforge.profiling import DEFAULT_BATCHES, measure_sps
 from specforge.target import TargetModel
 
@@ -54,7 +54,8 @@ def _engine(target: TargetModel, variant: str, concurrency: int, max_new_tokens:
                 raise ValueError(f"variant {variant!r} needs a hardware profile")
             # Dense up to the largest measured B; beyond it the inline curve extrapolates the same way.
             largest = profile.points()[-1][0]
-            scheduler = host.create_scheduler("hw-prefix", {"sps": [profile.sps(b) for b in range(1, largest + 1)]})
+            sps = [profile.sps(b) for b in range(1, largest + 1)]
+            scheduler = host.create_scheduler("hw-prefix", {"sps": sps})
             confidence = host.create_confidence("constant", {"value": HW_CONFIDENCE})
         parts = dict(drafter=host.create_drafter(*spec), confidence=confidence,
                      calibrator=host.create_calibrator("identity", {}), scheduler=scheduler)

@@ -50,6 +50,11 @@ class RegenerateConfig(_Section):
     max_batch: int = Field(16, ge=1, description="conversations decoded together")
     shard_size: int = Field(64, ge=1, description="conversations per output shard (the resume unit)")
     seed: int = Field(0, description="base seed of the answers' sampling")
+    # None takes the checkpoint's generation_config (and with none there, the target's own law:
+    # T = 1, no truncation); set them when the recommendation lives only on the model card.
+    temperature: float | None = Field(None, ge=0, description="sampling temperature; None: the target's recommendation")
+    top_k: int | None = Field(None, ge=0, description="top-k (0: off); None: the target's recommendation")
+    top_p: float | None = Field(None, gt=0, le=1, description="top-p; None: the target's recommendation")
     dir: str | None = Field(None, description="output directory; None: <output.dir>/regenerated")
 
 

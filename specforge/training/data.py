@@ -172,7 +172,8 @@ def regenerate_answers(config: Any, target: Any, out_dir: Path, log: Callable[[s
     conversations = load_conversations(config, progress)
     report = regenerate(conversations, target, directory, source=config.data.source, turns=regen.turns,
                         max_new_tokens=regen.max_new_tokens, seed=regen.seed, shard_size=regen.shard_size,
-                        max_batch=regen.max_batch, progress=progress)
+                        max_batch=regen.max_batch, temperature=regen.temperature, top_k=regen.top_k,
+                        top_p=regen.top_p, progress=progress)
     log(f"regenerated answers: {report.summary()}")
     return directory
 
