@@ -22,7 +22,8 @@ print("| γ | head | held-out τ̂ | τ T=0 | τ T=1 | head share of a round |")
 print("|---|---|---|---|---|---|")
 for (g, head), (held, taus, share) in sorted(rows.items()):
     cells = " | ".join(f"{v:.3f}" for v in taus.values())
-    print(f"| {g} | {head} | {held:.3f} | {cells} | {100 * share:.1f} % |" if held else f"| {g} | {head} | — | {cells} | {100 * share:.1f} % |")
+    held_cell = f"{held:.3f}" if held else "—"
+    print(f"| {g} | {head} | {held_cell} | {cells} | {100 * share:.1f} % |")
 for g in sorted({g for g, _ in rows}):
     if (g, "none") in rows and (g, "markov") in rows:
         n, m = rows[(g, "none")], rows[(g, "markov")]

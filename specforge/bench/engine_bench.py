@@ -48,17 +48,17 @@ def _engine(target: TargetModel, variant: str, concurrency: int, max_new_tokens:
     spec = ENGINE_VARIANTS[variant]
     parts: dict[str, Any] = {}
     if spec is not None:
-        confidence, scheduler = host.create_confidence("constant", {}), host.create_scheduler("fixed", {})
         if variant.endswith("-hw"):
             if profile is None:
                 raise ValueError(f"variant {variant!r} needs a hardware profile")
             # Dense up to the largest measured B; beyond it the inline curve extrapolates the same way.
             largest = profile.points()[-1][0]
-            sps = [profile.sps(b) for b in range(1, largest + 1)]
-            scheduler = host.create_scheduler("hw-prefix", {"sps": sps})
-            confidence = host.create_confidence("constant", {"value": HW_CONFIDENCE})
-        parts = dict(drafter=host.create_drafter(*spec), confidence=confidence,
-                     calibrator=host.create_calibrator("identity", {}), scheduler=scheduler)
+            scheduler = ("hw-prefix", {"sps": [profile.sps(b) for b in range(1, largest + 1)]})
+            confidence = {"value": HW_CONFIDENCE}
+        else:
+            scheduler, confidence = ("fixed", {}), {}
+        parts = dict(drafter=host.create_drafter(*spec), confidence=host.create_confidence("constant", confidence),
+                     calibrator=host.create_calibrator("identity", {}), scheduler=host.create_scheduler(*scheduler))
     return Engine(
         target, host.create_verifier("greedy"), **parts,
         sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens),
