@@ -169,7 +169,7 @@ def _attend_per_request(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cu: list[int], sl: list[int], sp: list[int], scale: float
 ) -> Tensor:
     n_tokens, hq, d = q.shape
-    gqa = hq != k_cache.shape[1]
+    gqa = bool(hq != k_cache.shape[1])  # a plain bool also under torch.compile's symbolic shapes
     out = torch.empty((n_tokens, hq, d), dtype=q.dtype, device=q.device)
     for r in range(len(sl)):
         a, b = cu[r], cu[r + 1]
@@ -340,7 +340,7 @@ def varlen_attention_planned(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: 
         o = o.view(p.span, hkv, group, p.n_max, d).permute(0, 3, 1, 2, 4).reshape(p.span * p.n_max, hq, d)
     else:
         qp = qp.view(p.span, p.n_max, hq, d).transpose(1, 2)  # [P, Hq, n_max, D]
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, scale=scale, enable_gqa=group != 1)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, scale=scale, enable_gqa=bool(group != 1))
         o = o.transpose(1, 2).reshape(p.span * p.n_max, hq, d)
     return o if p.out_index is None else o[p.out_index]
 

@@ -153,6 +153,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, systems=args.systems,
         per_dataset=args.per_dataset, eval_directory=args.eval_dir,
         profile=HardwareProfile.load(args.profile) if args.profile else None,
+        compiled=args.compile,
     )
     json_path, png_path = save(result, Path(args.out))
     if args.json:
@@ -332,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--eval-dir", default=None, help="directory of the eval JSONL sets")
     eb.add_argument("--profile", default=None, metavar="FILE",
                     help="hardware profile for the ngram-hw variant (default: measure SPS(B) first, in the run)")
+    eb.add_argument("--compile", action="store_true",
+                    help="also run every engine variant with the compiled target forward "
+                    "(target.compile; system specforge-compiled), right after its eager run")
     eb.add_argument("--out", default="runs/bench-engine", help="where engine.json and engine.png go")
     eb.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     eb.set_defaults(func=cmd_bench_engine)

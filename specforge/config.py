@@ -77,6 +77,12 @@ class TargetConfig(BaseModel):
         "directory, or a .gguf file",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    compile: bool = Field(
+        False,
+        description="run the target's passes through torch.compile (fused norms/rotary/residuals, "
+        "weights packed by inductor; attention stays the eager varlen kernel): faster steps after "
+        "about a minute of compilation per pass shape; needs a C++ compiler on CPU, else eager",
+    )
 
 
 class SamplingConfig(BaseModel):

@@ -75,6 +75,7 @@ def bench_engine_variant(
     min_rounds: int = 2,
     progress: bool = True,
     profile: HardwareProfile | None = None,
+    warmup_tokens: int = 8,
 ) -> dict[str, Any]:
     """Time the engine: rounds of ``concurrency`` requests submitted together (``profile``: the
     step curve the ``-hw`` variants schedule with)."""
@@ -86,7 +87,7 @@ def bench_engine_variant(
     def requests(indices: Sequence[int], n: int) -> list[GenerationRequest]:
         return [GenerationRequest(prompt_ids=prompt_ids[i], max_new_tokens=n, ignore_eos=True) for i in indices]
 
-    engine.generate(requests(plan[0], 8))  # warm-up of the same batch shape, untimed
+    engine.generate(requests(plan[0], warmup_tokens))  # warm-up of the same batch shape, untimed
     times, counts, ptoks, stats = [], [], 0, []
     for indices in tqdm(plan, desc=f"specforge {variant} c={concurrency}", unit="round",
                         disable=not progress, file=sys.stderr):
@@ -96,7 +97,8 @@ def bench_engine_variant(
         counts.append([len(o.token_ids) for o in outs])
         ptoks += sum(len(prompt_ids[i]) for i in indices)
         stats.extend(o.stats for o in outs)
-    record = {"system": "specforge", "variant": variant, "dtype": str(target.dtype).replace("torch.", ""),
+    system = "specforge-compiled" if target.runtime.compiled is not None else "specforge"
+    record = {"system": system, "variant": variant, "dtype": str(target.dtype).replace("torch.", ""),
               "concurrency": concurrency, "status": "ok", "reason": None}
     record.update(summarize(times, counts, ptoks))
     rounds = sum(s.rounds for s in stats)
@@ -124,14 +126,14 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    head = f"{'system':<12} {'variant':<8} {'dtype':<9} {'c':>3} {'tok/s':>8} {'per-req':>8} {'vs HF':>6} {'vs AR':>6}  note"
+    head = f"{'system':<18} {'variant':<8} {'dtype':<9} {'c':>3} {'tok/s':>8} {'per-req':>8} {'vs HF':>6} {'vs AR':>6}  note"
     lines = [head, "-" * len(head)]
     for r in records:
         def f(v, spec=".1f"):
             return format(v, spec) if isinstance(v, (int, float)) else "—"
         note = r.get("reason") or (f"tau={r['extra']['tau']}" if r.get("extra", {}).get("tau") else "")
         lines.append(
-            f"{r['system']:<12} {r['variant']:<8} {str(r.get('dtype')):<9} {r['concurrency']:>3} "
+            f"{r['system']:<18} {r['variant']:<8} {str(r.get('dtype')):<9} {r['concurrency']:>3} "
             f"{f(r.get('tok_s')):>8} {f(r.get('per_request_tok_s')):>8} {f(r.get('vs_hf'), '.2f'):>6} "
             f"{f(r.get('vs_engine_ar'), '.2f'):>6}  {note}"
         )
@@ -175,10 +177,19 @@ def run_engine_benchmark(
     eval_directory: str | None = None,
     progress: bool = True,
     profile: HardwareProfile | None = None,
+    compiled: bool = False,
 ) -> dict[str, Any]:
     """Every system on the same prompts; ``profile`` (default: measured here, first) is the step
-    curve of the ``ngram-hw`` variant."""
+    curve of the ``ngram-hw`` variant.  ``compiled`` also runs every engine variant with the
+    compiled target forward (system ``specforge-compiled``), interleaved with the eager one."""
     target = TargetModel.load("smollm2", dtype)
+    trunk = None
+    if compiled and "specforge" in systems:
+        # One compiled trunk for the whole run, switched on and off per measurement, so its
+        # graphs are compiled once (during the first warm-ups).
+        if target.runtime.compile():
+            trunk = target.runtime.compiled
+        target.runtime.compile(False)
     picked = select_prompts(datasets, n_prompts, directory=eval_directory)
     prompt_ids = [apply_chat_template(target.tokenizer, p.text) for p in picked]
     records: list[dict[str, Any]] = []
@@ -199,6 +210,13 @@ def run_engine_benchmark(
             for variant in ENGINE_VARIANTS:
                 records.append(bench_engine_variant(target, prompt_ids, variant, c, max_new_tokens,
                                                     progress=progress, profile=profile))
+                if trunk is not None:
+                    target.runtime.compiled = trunk
+                    try:  # a longer warm-up: the graphs generalise their sizes on the first passes
+                        records.append(bench_engine_variant(target, prompt_ids, variant, c, max_new_tokens,
+                                                            progress=progress, profile=profile, warmup_tokens=32))
+                    finally:
+                        target.runtime.compiled = None
     if "vllm" in systems:
         from specforge.bench.vllm_client import bench_vllm
 
@@ -222,6 +240,7 @@ def run_engine_benchmark(
         "prompts": [p.to_dict() for p in picked],
         "records": records,
         "per_dataset_ngram": by_dataset,
+        "compiled": None if not compiled else (trunk is not None and trunk.failed is None),
         "hardware_profile": None if profile is None else profile.to_dict(),
         "profile_timings": profile_records,
     }

@@ -40,11 +40,16 @@ class TargetModel:
         self.eos_ids = self._eos_ids(hf_model, tokenizer)
 
     @classmethod
-    def load(cls, model: str = "smollm2", dtype: str | torch.dtype = "bfloat16") -> TargetModel:
-        """Load the embedded default, an HF directory or a GGUF file (see :mod:`.loading`)."""
+    def load(cls, model: str = "smollm2", dtype: str | torch.dtype = "bfloat16",
+             compile: bool = False) -> TargetModel:
+        """Load the embedded default, an HF directory or a GGUF file (see :mod:`.loading`);
+        ``compile`` turns on the compiled forward (:meth:`Transformer.compile`)."""
         dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         hf_model, tokenizer = load_hf(model, torch.float32)
-        return cls(hf_model, tokenizer, dtype, name=model)
+        target = cls(hf_model, tokenizer, dtype, name=model)
+        if compile:
+            target.runtime.compile()
+        return target
 
     @staticmethod
     def _eos_ids(hf_model: Any, tokenizer: Any) -> frozenset[int]:

@@ -1,7 +1,7 @@
 """The target's KV cache: one preallocated tensor per layer, one slot per request.
 
 Each request owns a slot; its keys and values for positions 0..length-1 live at
-``k[layer, slot, :, :length]``.  Rolling back after a rejection is only moving ``length`` back
+``k[layer][slot, :, :length]``.  Rolling back after a rejection is only moving ``length`` back
 (:meth:`KVCache.crop`): entries past it are never attended to and are overwritten by the next pass.
 
 Entries past ``length`` are still *read* under a mask by the padded attention path (many requests
@@ -33,9 +33,11 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (n_layers, slots, n_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # One tensor per layer, not one [layers, ...] tensor: a compiled forward writes layer i's
+        # keys in place into its own input; into a view of a shared tensor it would copy it whole.
+        shape = (slots, n_kv_heads, capacity, head_dim)
+        self.k = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers))
+        self.v = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers))
         self.capacity = capacity
         self.lengths = [0] * slots
         self._written = [0] * slots  # positions 0..written-1 of each slot may hold this request's K/V
@@ -57,8 +59,9 @@ class KVCache:
             raise ValueError(f"slot {slot} is already free")
         self.lengths[slot] = 0
         if self._written[slot]:
-            self.k[:, slot, :, : self._written[slot]] = 0
-            self.v[:, slot, :, : self._written[slot]] = 0
+            for k, v in zip(self.k, self.v):
+                k[slot, :, : self._written[slot]] = 0
+                v[slot, :, : self._written[slot]] = 0
             self._written[slot] = 0
         self._free.append(slot)
 
@@ -68,8 +71,8 @@ class KVCache:
 
     def update(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
         """Write ``k``/``v`` ``[N, Hkv, D]`` of N tokens at their (slot, position)."""
-        self.k[layer, slots, :, positions] = k
-        self.v[layer, slots, :, positions] = v
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v
 
     def note_written(self, slots: list[int], ends: list[int]) -> None:
         """Record that a pass writes positions below ``ends[i]`` of ``slots[i]`` (host lists)."""

@@ -7,6 +7,8 @@ matmuls over all N new tokens of the batch, whatever request they belong to.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,7 @@ from torch import Tensor, nn
 from specforge.target.args import ModelArgs
 from specforge.target.batch import VarlenBatch
 from specforge.target.cache import KVCache
+from specforge.target.compiled import Attend, CompiledTrunk, compile_available, register_projection
 from specforge_kernels.varlen_attention import (
     VarlenPlan,
     plan_varlen_attention,
@@ -63,11 +66,18 @@ class Projection:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             except (RuntimeError, AttributeError):  # a build without the op: stay on F.linear
                 self.packed = None
+        # torch.compile reaches the packed weight through an opaque op (see target.compiled)
+        self.key = register_projection(self) if self.packed is not None else -1
+
+    def packed_linear(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            return torch.ops.specforge.linear(x, self.key)
+        return self.packed_linear(x)
 
 
 def _norm_weight(norm: nn.Module, args: ModelArgs, dtype: torch.dtype) -> nn.Parameter:
@@ -97,8 +107,7 @@ class Layer(nn.Module):
         self.up_proj = Projection(self.w13)
         self.down_proj = Projection(self.w2)
 
-    def forward(self, x: Tensor, batch: VarlenBatch, cache: KVCache, layer: int, cos: Tensor, sin: Tensor,
-                plan: VarlenPlan | None) -> Tensor:
+    def forward(self, x: Tensor, layer: int, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         a = self.args
         n = x.shape[0]
         h = rms_norm(x, self.attn_norm, a.norm_eps)
@@ -113,14 +122,7 @@ class Layer(nn.Module):
             # q and k heads side by side in one view: a single set of rotation kernels for both.
             qk = rotate(qkv[:, : q_size + kv_size].view(n, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin)
             q, k = qk[:, : a.n_heads], qk[:, a.n_heads :]
-        cache.update(layer, batch.token_slots, batch.positions, k, v)
-        if plan is not None:
-            o = varlen_attention_planned(q, cache.k[layer], cache.v[layer], plan, a.attention_scale)
-        else:
-            o = varlen_attention(
-                q, cache.k[layer], cache.v[layer], batch.cu_seqlens, batch.slots, batch.start_pos,
-                a.attention_scale,
-            )
+        o = attend(q, k, v, layer)
         x = x + self.o_proj(o.reshape(n, q_size))
         h = rms_norm(x, self.mlp_norm, a.norm_eps)
         gate, up = self.up_proj(h).chunk(2, dim=-1)
@@ -153,6 +155,7 @@ class Transformer(nn.Module):
         # the planner decide (bf16/fp16 only), False keeps one SDPA per request, which is
         # batch-invariant bit for bit, True forces the padded path.
         self.batched_attention: bool | None = None
+        self.compiled: CompiledTrunk | None = None  # see compile()
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -186,20 +189,60 @@ class Transformer(nn.Module):
         prefill never pays for the LM head.  ``taps`` lists layers whose outputs to return.
         The caller advances the cache lengths once it knows which tokens it keeps.
         """
-        cos, sin = self.rope(batch.positions)
-        x = self.embed_tokens(batch.tokens)
         plan = None
-        if not x.is_cuda:
+        if not batch.tokens.is_cuda:
             # The attention metadata is the same for every layer: check it and copy it to the
             # host once per pass (the Triton kernel on CUDA reads it on the device instead).
             plan = plan_varlen_attention(batch.cu_seqlens, batch.slots, batch.start_pos, cache.k[0],
                                          batch.num_tokens, self.args.n_heads, self.batched_attention)
             cache.note_written(plan.slots, [s + plan.cu[r + 1] - plan.cu[r] for r, s in enumerate(plan.start)])
-        tapped: dict[int, Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, batch, cache, i, cos, sin, plan)
-            if i in taps:
-                tapped[i] = x
-        hidden = rms_norm(x, self.norm, self.args.norm_eps)
+        attend = _PassAttention(self.args.attention_scale, batch, cache, plan)
+        trunk = self.compiled if self.compiled is not None else self.trunk
+        hidden, tapped = trunk(batch.tokens, batch.positions, tuple(taps), attend)
         logits = None if logits_rows is None else self.project(hidden[logits_rows])
         return ForwardOutput(logits=logits, hidden=hidden, taps=tapped)
+
+    def trunk(self, tokens: Tensor, positions: Tensor, taps: Collection[int],
+              attend: Attend) -> tuple[Tensor, dict[int, Tensor]]:
+        """Embedding → layers → final norm of one pass: tensors in, tensors out, attention (and
+        with it every cache access) behind ``attend``; the part :class:`CompiledTrunk` compiles."""
+        cos, sin = self.rope(positions)
+        x = self.embed_tokens(tokens)
+        tapped: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, i, cos, sin, attend)
+            if i in taps:
+                tapped[i] = x
+        return rms_norm(x, self.norm, self.args.norm_eps), tapped
+
+    def compile(self, enabled: bool = True) -> bool:
+        """Run passes through :class:`CompiledTrunk` (``False``: back to eager).  Returns whether
+        the compiled path is on; a machine without a C++ compiler keeps the eager one and warns."""
+        if not enabled:
+            self.compiled = None
+            return False
+        if not compile_available():
+            warnings.warn("torch.compile needs a C++ compiler for CPU kernels and none was found; "
+                          "the target runs eagerly", RuntimeWarning, stacklevel=2)
+            return False
+        self.compiled = CompiledTrunk(self)
+        return True
+
+
+class _PassAttention:
+    """One pass's attention: the cache write and the varlen attention of every layer."""
+
+    def __init__(self, scale: float, batch: VarlenBatch, cache: KVCache, plan: VarlenPlan | None) -> None:
+        self.scale, self.batch, self.cache, self.plan = scale, batch, cache, plan
+        # A single request decoding one token — one SDPA per layer over a slice of its cache —
+        # is what CompiledTrunk traces into the graph with the cache write.  Other layouts (several
+        # requests, verify runs, prefills) change shape from pass to pass; traced, every new
+        # layout would cost a recompilation (tens of seconds), so they stay behind the opaque op.
+        self.traceable = plan is not None and plan.padded is None and plan.cu == [0, 1]
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
+        b, cache = self.batch, self.cache
+        cache.update(layer, b.token_slots, b.positions, k, v)
+        if self.plan is not None:
+            return varlen_attention_planned(q, cache.k[layer], cache.v[layer], self.plan, self.scale)
+        return varlen_attention(q, cache.k[layer], cache.v[layer], b.cu_seqlens, b.slots, b.start_pos, self.scale)
