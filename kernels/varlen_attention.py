@@ -177,8 +177,10 @@ def _attend_per_request(
         if n == 0:
             continue
         length = sp[r] + n  # keys 0..length-1 are this request's
-        k = k_cache[sl[r], None, :, :length]  # [1, Hkv, L, D] views
-        v = v_cache[sl[r], None, :, :length]
+        # [1, Hkv, L, D] views; a slice rather than an index keeps the slot symbolic under
+        # torch.compile (an index would be specialised: one graph per slot)
+        k = k_cache[sl[r] : sl[r] + 1, :, :length]
+        v = v_cache[sl[r] : sl[r] + 1, :, :length]
         qr = q[a:b].transpose(0, 1)[None]  # [1, Hq, n, D]
         if n == 1:
             o = F.scaled_dot_product_attention(qr, k, v, scale=scale, enable_gqa=gqa)

@@ -81,6 +81,7 @@ def bench_engine_variant(
     step curve the ``-hw`` variants schedule with)."""
     from tqdm.auto import tqdm
 
+    system = "specforge-compiled" if target.runtime.compiled is not None else "specforge"
     engine = _engine(target, variant, concurrency, max_new_tokens, profile)
     plan = rounds_for(len(prompt_ids), concurrency, min_rounds)
 
@@ -89,7 +90,7 @@ def bench_engine_variant(
 
     engine.generate(requests(plan[0], warmup_tokens))  # warm-up of the same batch shape, untimed
     times, counts, ptoks, stats = [], [], 0, []
-    for indices in tqdm(plan, desc=f"specforge {variant} c={concurrency}", unit="round",
+    for indices in tqdm(plan, desc=f"{system} {variant} c={concurrency}", unit="round",
                         disable=not progress, file=sys.stderr):
         t0 = time.perf_counter()
         outs = engine.generate(requests(indices, max_new_tokens))
@@ -97,7 +98,6 @@ def bench_engine_variant(
         counts.append([len(o.token_ids) for o in outs])
         ptoks += sum(len(prompt_ids[i]) for i in indices)
         stats.extend(o.stats for o in outs)
-    system = "specforge-compiled" if target.runtime.compiled is not None else "specforge"
     record = {"system": system, "variant": variant, "dtype": str(target.dtype).replace("torch.", ""),
               "concurrency": concurrency, "status": "ok", "reason": None}
     record.update(summarize(times, counts, ptoks))

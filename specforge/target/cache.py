@@ -38,6 +38,10 @@ class KVCache:
         shape = (slots, n_kv_heads, capacity, head_dim)
         self.k = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers))
         self.v = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers))
+        for t in (*self.k, *self.v):
+            # Fixed for the cache's life: a compiled forward may specialise on them (head counts
+            # decide code paths) while the lengths and slots it reads stay symbolic.
+            torch._dynamo.mark_static(t)
         self.capacity = capacity
         self.lengths = [0] * slots
         self._written = [0] * slots  # positions 0..written-1 of each slot may hold this request's K/V

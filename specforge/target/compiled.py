@@ -126,7 +126,7 @@ class CompiledTrunk:
             else:
                 def trunk(tokens: Tensor, positions: Tensor, attend: Attend):
                     return runtime.trunk(tokens, positions, tapped, torch.ops.specforge.attend)
-            fn = self._fns[(traced, taps)] = torch.compile(trunk)
+            fn = self._fns[(traced, taps)] = torch.compile(trunk, dynamic=True)
         return fn
 
     def __call__(self, tokens: Tensor, positions: Tensor, taps: tuple[int, ...], attend: Attend):
