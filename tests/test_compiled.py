@@ -144,6 +144,10 @@ def test_compiled_bfloat16_uses_the_packed_projections(tmp_path):
     ids = [torch.arange(3, 20).tolist(), [7], [9, 4, 4]]
     a = run(eager, [[ids[0]], [ids[1]], [ids[2]]], [0])
     b = run(fast, [[ids[0]], [ids[1]], [ids[2]]], [0])
+    # several requests with short runs: the padded single-SDPA layout, traced into the graph
+    runs = [[[3, 4, 5, 6], [8, 9], [10, 11, 12]], [[7], [1, 2], [4]], [[5], [6], [7]]]
+    a += run(eager, runs, [2, 0, 1])
+    b += run(fast, runs, [2, 0, 1])
     for x, y in zip(a, b):
         assert y.logits.dtype == torch.float32
         # inductor keeps the fused norms/rotary in float32 where eager rounds each op to bf16:

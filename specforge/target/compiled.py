@@ -1,17 +1,17 @@
-"""The target's forward as one ``torch.compile`` graph per pass shape, attention left out of it.
+"""The target's forward through ``torch.compile``, with matmuls and most attention left out of it.
 
 Eager decoding of a small model on a CPU spends a third of each step outside the matmuls: ~450
 tiny kernels (norms, rotary, residual adds, casts), each paying dispatch and a pass over memory.
 Inductor fuses them into a few C++ loops.  Two things it must not see, each behind an opaque
-custom op: the attention (``specforge::attend``) — a pass mixes requests of different lengths and
-writes the KV cache in place, which a traced graph would either specialise on or copy whole — and
-the pre-packed matmuls (``specforge::linear``).  The attention's real implementation is the
-pass's eager varlen attention, handed over through a context variable for the duration of the
-call.
+custom op: the pre-packed matmuls (``specforge::linear``) and, for prefills and float32
+batches, the attention (``specforge::attend``), whose per-request loop would be unrolled into
+one graph per batch size.  That attention's real implementation is the pass's eager varlen
+attention, handed over through a context variable for the duration of the call.  Decode and
+verify passes trace their attention instead: see :class:`CompiledTrunk`.
 
-Graphs are compiled on first use of a pass layout and generalised by dynamo when a size
-changes (tens of seconds each for SmolLM2; a few per engine configuration).  A machine without a working C++ toolchain gets a warning and the eager
-forward, never an error.
+Sizes are symbolic from the first pass, so a handful of graphs (tens of seconds each for
+SmolLM2) serve an engine configuration.  A machine without a working C++ toolchain gets a
+warning and the eager forward, never an error.
 """
 
 from __future__ import annotations
@@ -97,20 +97,21 @@ _COMPILE_ERRORS: tuple[type[BaseException], ...] = tuple(
 class CompiledTrunk:
     """``runtime.trunk`` compiled, with the pass's attention bound for each call.
 
-    Two families of graphs.  A single request decoding one token traces its attention into the
-    graph with the cache writes (each layer's cache is a graph input updated in place), so plain
-    decoding is one call of fused kernels per token.  Every other pass calls attention through
-    the opaque ``specforge::attend`` (see ``_PassAttention.traceable``).
+    Two families of graphs.  Passes whose attention is one SDPA per layer — a single request
+    decoding one token, or the padded layout of short decode/verify runs in bf16/fp16 — trace it
+    into the graph with the cache writes (each layer's cache is a graph input updated in place),
+    so a decoding or verify step is one call of fused kernels.  Every other pass (prefills,
+    float32 batches) calls attention through the opaque ``specforge::attend`` (see
+    ``_PassAttention.traceable``).
     """
 
     def __init__(self, runtime: Transformer) -> None:
         self.runtime = runtime
         self.failed: str | None = None
         self._fns: dict[tuple[bool, tuple[int, ...]], Callable] = {}
-        # Graphs specialise on the pass layout (single token, prefill, padded batch, merged GQA)
-        # and then generalise sizes that change; with taps variants and one trunk per loaded
-        # target that exceeds dynamo's default of 8 graphs per function, after which it would
-        # silently run eagerly.
+        # Graphs specialise on a few layout facts (one token or several, prefill from position 0
+        # or not); with taps variants and one trunk per loaded target that can exceed dynamo's
+        # default of 8 graphs per function, after which it would silently run eagerly.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
     def _compiled(self, traced: bool, taps: tuple[int, ...]) -> Callable:

@@ -234,11 +234,11 @@ class _PassAttention:
 
     def __init__(self, scale: float, batch: VarlenBatch, cache: KVCache, plan: VarlenPlan | None) -> None:
         self.scale, self.batch, self.cache, self.plan = scale, batch, cache, plan
-        # A single request decoding one token — one SDPA per layer over a slice of its cache —
-        # is what CompiledTrunk traces into the graph with the cache write.  Other layouts (several
-        # requests, verify runs, prefills) change shape from pass to pass; traced, every new
-        # layout would cost a recompilation (tens of seconds), so they stay behind the opaque op.
-        self.traceable = plan is not None and plan.padded is None and plan.cu == [0, 1]
+        # One SDPA per layer — a single request decoding one token, or the padded layout of
+        # short decode/verify runs (bf16/fp16) — is traced into CompiledTrunk's graph with the
+        # cache write.  The per-request path (prefills, float32 batches) unrolls a Python loop
+        # per request and would recompile for every batch size: it stays behind the opaque op.
+        self.traceable = plan is not None and (plan.padded is not None or plan.cu == [0, 1])
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
         b, cache = self.batch, self.cache
