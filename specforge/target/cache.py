@@ -38,14 +38,21 @@ class KVCache:
         shape = (slots, n_kv_heads, capacity, head_dim)
         self.k = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers))
         self.v = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers))
-        for t in (*self.k, *self.v):
-            # Fixed for the cache's life: a compiled forward may specialise on them (head counts
-            # decide code paths) while the lengths and slots it reads stay symbolic.
-            torch._dynamo.mark_static(t)
+        self._static = False
         self.capacity = capacity
         self.lengths = [0] * slots
         self._written = [0] * slots  # positions 0..written-1 of each slot may hold this request's K/V
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    def mark_static(self) -> None:
+        """Tell torch.compile the cache's shapes are fixed for its life: a compiled forward may
+        then specialise on them (head counts decide code paths) while the lengths and slots it
+        reads stay symbolic.  Done on first use by a compiled forward (importing dynamo costs
+        seconds, which eager users should not pay)."""
+        if not self._static:
+            for t in (*self.k, *self.v):
+                torch._dynamo.mark_static(t)
+            self._static = True
 
     @property
     def slots(self) -> int:

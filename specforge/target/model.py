@@ -197,7 +197,10 @@ class Transformer(nn.Module):
                                          batch.num_tokens, self.args.n_heads, self.batched_attention)
             cache.note_written(plan.slots, [s + plan.cu[r + 1] - plan.cu[r] for r, s in enumerate(plan.start)])
         attend = _PassAttention(self.args.attention_scale, batch, cache, plan)
-        trunk = self.compiled if self.compiled is not None else self.trunk
+        trunk = self.trunk
+        if self.compiled is not None:
+            cache.mark_static()
+            trunk = self.compiled
         hidden, tapped = trunk(batch.tokens, batch.positions, tuple(taps), attend)
         logits = None if logits_rows is None else self.project(hidden[logits_rows])
         return ForwardOutput(logits=logits, hidden=hidden, taps=tapped)
