@@ -17,7 +17,9 @@ from pathlib import Path
 def main(paths: list[str]) -> int:
     seeds: dict[int, dict] = {}
     for path in paths:
-        for rec in json.loads(Path(path).read_text())["seeds"]:
+        data = json.loads(Path(path).read_text())
+        # a multi-seed run writes {"seeds": [...]}, a single seed its report itself
+        for rec in data["seeds"] if "seeds" in data else [data]:
             seeds[rec["seed"]] = rec
     cases = [(s, case) for s, rec in seeds.items() for combo in rec["combinations"] for case in combo["cases"]]
     failed = sorted({s for s, rec in seeds.items() if not rec["passed"]})
