@@ -80,24 +80,6 @@ def test_compiled_passes_match_eager_and_the_oracle(pair):
 
 
 @needs_compiler
-def test_compiled_rollback_equals_a_fresh_prefill(llama):
-    _, fast = llama
-    gen = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, fast.vocab_size, (12,), generator=gen).tolist()
-    drafts = torch.randint(0, fast.vocab_size, (6,), generator=gen).tolist()
-    cache = fast.new_cache(1, 128)
-    fast.forward(VarlenBatch.build([ids[:-1]], [0], [0]), cache)
-    cache.advance(0, len(ids) - 1)
-    fast.forward(VarlenBatch.build([[ids[-1], *drafts]], [0], [len(ids) - 1]), cache, logits_rows=torch.arange(7))
-    cache.advance(0, len(ids) + 6)
-    cache.crop(0, len(ids) + 2)  # two drafts accepted, then a correction token
-    committed = ids + drafts[:2] + [5]
-    nxt = fast.forward(VarlenBatch.build([[5]], [0], [len(committed) - 1]), cache,
-                       logits_rows=torch.tensor([0])).logits[0]
-    assert torch.allclose(nxt, fast.reference_logits(committed)[-1], atol=TOL, rtol=1e-5)
-
-
-@needs_compiler
 @pytest.mark.parametrize("drafter", [None, "ngram"])
 def test_compiled_engine_greedy_parity(llama, drafter):
     eager, fast = llama

@@ -18,10 +18,17 @@ from tiny_models import FAMILIES, save_tiny, tiny_model
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[*FAMILIES, "llama-compiled"])
 def target(request, tmp_path_factory):
-    path = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
-    return TargetModel.load(str(path), "float32")
+    # "llama-compiled": the same oracle checks through the torch.compile'd forward
+    family, _, compiled = request.param.partition("-")
+    if compiled:
+        from specforge.target.compiled import compile_available
+
+        if not compile_available():
+            pytest.skip("no C++ compiler for inductor")
+    path = save_tiny(family, tmp_path_factory.mktemp(request.param))
+    return TargetModel.load(str(path), "float32", compile=bool(compiled))
 
 
 def prefill_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
