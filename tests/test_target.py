@@ -181,3 +181,19 @@ def test_reference_oracle_is_the_unchanged_hf_model():
     model = tiny_model("llama")
     target = TargetModel(model, None, torch.float32)
     assert target.hf_model is model
+
+
+def test_cache_hands_out_the_lowest_free_slot():
+    # Requests admitted together get consecutive slots in admission order, whatever order the
+    # previous ones finished in: the padded attention reads them without a gather, and a
+    # compiled forward keeps one layout (no new graph for the second batch).
+    from specforge.target.cache import KVCache
+
+    cache = KVCache(1, 4, 1, 8, 2, torch.float32, "cpu")
+    assert [cache.allocate() for _ in range(4)] == [0, 1, 2, 3]
+    for slot in (0, 1, 2, 3):
+        cache.free(slot)
+    assert [cache.allocate() for _ in range(4)] == [0, 1, 2, 3]
+    cache.free(2)
+    cache.free(0)
+    assert [cache.allocate(), cache.allocate()] == [0, 2]

@@ -12,6 +12,8 @@ previous occupant's leftovers can hurt: :meth:`KVCache.free` zeroes what the slo
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 from torch import Tensor
 
@@ -42,7 +44,11 @@ class KVCache:
         self.capacity = capacity
         self.lengths = [0] * slots
         self._written = [0] * slots  # positions 0..written-1 of each slot may hold this request's K/V
-        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # A min-heap: the lowest free slot goes first, so requests admitted together get
+        # consecutive slots in admission order whatever order earlier ones finished in — the
+        # padded attention then reads them as one block without a gather, and a compiled forward
+        # sees the same layout on every batch instead of a new graph after the first.
+        self._free = list(range(slots))
 
     def mark_static(self) -> None:
         """Tell torch.compile the cache's shapes are fixed for its life: a compiled forward may
@@ -61,7 +67,7 @@ class KVCache:
     def allocate(self) -> int:
         if not self._free:
             raise CacheFullError(f"all {self.slots} cache slots are in use")
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self.lengths[slot] = 0
         return slot
 
@@ -74,7 +80,7 @@ class KVCache:
                 k[slot, :, : self._written[slot]] = 0
                 v[slot, :, : self._written[slot]] = 0
             self._written[slot] = 0
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     @property
     def free_slots(self) -> int:
