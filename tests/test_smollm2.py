@@ -77,3 +77,22 @@ def test_generate_cli_streams_and_reports(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "[stats] requests=1 failed=0" in result.stderr
+
+
+def test_the_cached_gguf_conversion_is_the_same_checkpoint(tmp_path, monkeypatch):
+    # The first float32 load writes the converted GGUF as safetensors + tokenizer; a later load
+    # reads that instead of converting again.  It must be the same model, byte for byte, with the
+    # same tokenizer, chat template and end-of-sequence ids.
+    from specforge.target.loading import _load, load_hf, resolve_model
+
+    monkeypatch.setenv("SPECFORGE_CACHE_DIR", str(tmp_path))
+    direct, tok_direct = _load(*resolve_model("smollm2"), torch.float32)
+    load_hf("smollm2")  # converts, writes the cache
+    cached, tok_cached = load_hf("smollm2")  # reads it
+    a, b = direct.state_dict(), cached.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    messages = [{"role": "user", "content": "Write a haiku about caches, in French. ∑ 🙂"}]
+    assert tok_cached.apply_chat_template(messages, add_generation_prompt=True, tokenize=True) == \
+        tok_direct.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert TargetModel(cached, tok_cached).eos_ids == TargetModel(direct, tok_direct).eos_ids

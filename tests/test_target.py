@@ -197,3 +197,61 @@ def test_cache_hands_out_the_lowest_free_slot():
     cache.free(2)
     cache.free(0)
     assert [cache.allocate(), cache.allocate()] == [0, 2]
+
+
+def _fake_gguf(tmp_path, monkeypatch):
+    """A GGUF "file" whose conversion is a tiny Llama with a real tokenizer; counts conversions."""
+    import specforge.target.loading as loading
+    from tiny_models import save_tokenizer
+
+    gguf = tmp_path / "src" / "m.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    source = save_tokenizer(save_tiny("llama", tmp_path / "tiny"))
+    real_load, calls = loading._load, []
+
+    def convert(directory, name, dtype):
+        if name is None:  # the cached directory: the real loader
+            return real_load(directory, None, dtype)
+        calls.append(name)
+        return real_load(source, None, dtype)
+
+    monkeypatch.setattr(loading, "resolve_model", lambda model: (gguf.parent, gguf.name))
+    monkeypatch.setattr(loading, "_load", convert)
+    monkeypatch.setenv("SPECFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    return gguf, calls
+
+
+def test_a_converted_gguf_is_cached_and_reused(tmp_path, monkeypatch):
+    from specforge.target.loading import gguf_cache_dir, load_hf
+
+    gguf, calls = _fake_gguf(tmp_path, monkeypatch)
+    first, tok1 = load_hf("whatever.gguf")
+    cached = gguf_cache_dir(gguf)
+    assert calls == ["m.gguf"] and (cached / "config.json").is_file() and any(cached.glob("*.safetensors"))
+    second, tok2 = load_hf("whatever.gguf")
+    assert calls == ["m.gguf"]  # read from the cache, not converted again
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert tok2.apply_chat_template([{"role": "user", "content": "w5 w6"}], tokenize=True) == \
+        tok1.apply_chat_template([{"role": "user", "content": "w5 w6"}], tokenize=True)
+    # a changed file (size or mtime) is a different cache entry: converted again
+    gguf.write_bytes(b"GGUF2")
+    assert gguf_cache_dir(gguf) != cached
+    load_hf("whatever.gguf")
+    assert calls == ["m.gguf", "m.gguf"]
+    # other dtypes are converted on the fly and never cached (the cache holds float32)
+    load_hf("whatever.gguf", torch.bfloat16)
+    assert calls == ["m.gguf"] * 3
+
+
+def test_an_unwritable_gguf_cache_warns_and_still_loads(tmp_path, monkeypatch):
+    from specforge.target.loading import load_hf
+
+    gguf, calls = _fake_gguf(tmp_path, monkeypatch)
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache directory should be")
+    with pytest.warns(RuntimeWarning, match="could not cache the converted GGUF"):
+        model, _ = load_hf("whatever.gguf")
+    assert model is not None and calls == ["m.gguf"]
+    assert list(tmp_path.glob("cache*")) == [blocker]  # nothing half-written left behind

@@ -125,34 +125,14 @@ def export_smollm2_hf(dest: Path | None = None, force: bool = False) -> Path:
     dest = Path(dest) if dest is not None else cache_dir() / "smollm2-hf"
     if not force and (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
         return dest
-    import copy
     import shutil
 
-    import torch
-    from transformers import AutoModelForCausalLM
+    from specforge.target.loading import save_converted
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
     gguf_model, tok = load_smollm2("float32")
-    # transformers refuses to save a model loaded from GGUF (it carries a GGUF quantization
-    # config even though the weights are already dequantized), so the weights are moved into a
-    # plain model built from the same config without it.
-    config = copy.deepcopy(gguf_model.config)
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = copy.deepcopy(gguf_model.generation_config)
-    del gguf_model
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    if dest.exists():
+        shutil.rmtree(dest)
+    save_converted(gguf_model, tok, dest)
     return dest
 
 
