@@ -243,6 +243,14 @@ def test_a_converted_gguf_is_cached_and_reused(tmp_path, monkeypatch):
     # other dtypes are converted on the fly and never cached (the cache holds float32)
     load_hf("whatever.gguf", torch.bfloat16)
     assert calls == ["m.gguf"] * 3
+    # a cache damaged after it was written is reported, replaced, and the load still succeeds
+    weights = next(gguf_cache_dir(gguf).glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.warns(RuntimeWarning, match="cached conversion is unreadable"):
+        model, _ = load_hf("whatever.gguf")
+    assert calls == ["m.gguf"] * 4 and torch.equal(model.state_dict()["lm_head.weight"], first.state_dict()["lm_head.weight"])
+    load_hf("whatever.gguf")
+    assert calls == ["m.gguf"] * 4  # the rewritten cache is read again
 
 
 def test_an_unwritable_gguf_cache_warns_and_still_loads(tmp_path, monkeypatch):
@@ -255,3 +263,11 @@ def test_an_unwritable_gguf_cache_warns_and_still_loads(tmp_path, monkeypatch):
         model, _ = load_hf("whatever.gguf")
     assert model is not None and calls == ["m.gguf"]
     assert list(tmp_path.glob("cache*")) == [blocker]  # nothing half-written left behind
+
+
+def test_a_truncated_checkpoint_is_one_clear_error(tmp_path):
+    path = save_tiny("llama", tmp_path / "m")
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])
+    with pytest.raises(TargetLoadError, match="cannot load .*m"):
+        TargetModel.load(str(path))

@@ -128,7 +128,12 @@ def load_hf(model: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     if gguf and dtype == torch.float32:
         cached = gguf_cache_dir(directory / gguf)
         if (cached / "config.json").is_file() and any(cached.glob("*.safetensors")):
-            return _load(cached, None, dtype)
+            try:
+                return _load(cached, None, dtype)
+            except TargetLoadError as exc:  # damaged after it was written: convert again
+                warnings.warn(f"the cached conversion is unreadable ({exc}); converting the GGUF "
+                              "again and replacing it", RuntimeWarning, stacklevel=2)
+                shutil.rmtree(cached, ignore_errors=True)
         hf_model, tokenizer = _load(directory, gguf, dtype)
         _write_gguf_cache(hf_model, tokenizer, cached)
         return hf_model, tokenizer
@@ -136,6 +141,7 @@ def load_hf(model: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
 
 
 def _load(directory: Path, gguf: str | None, dtype: torch.dtype) -> tuple[Any, Any]:
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = directory / gguf if gguf else directory
@@ -149,7 +155,7 @@ def _load(directory: Path, gguf: str | None, dtype: torch.dtype) -> tuple[Any, A
                 str(directory), dtype=dtype, use_safetensors=None if gguf else True,
                 output_loading_info=True, **kwargs,
             )
-    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+    except (ValueError, KeyError, OSError, RuntimeError, SafetensorError) as exc:  # a truncated file too
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TargetLoadError(f"cannot load {where}: {first}") from None
     # transformers fills absent weights with random values and only logs it; a target with
