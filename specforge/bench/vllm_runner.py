@@ -9,7 +9,7 @@ subprocess; it can also be run by hand::
 Request (JSON)::
 
     {
-      "model": "/home/u/.cache/specforge/smollm2-hf",    # an HF directory (safetensors)
+      "model": "/home/u/.cache/specforge/gguf/SmolLM2-…", # an HF directory (safetensors)
       "prompt_token_ids": [[1, 2, ...], ...],             # chat-templated prompts, or
       "prompts": ["text", ...],                           #   raw first turns (templated here)
       "variants": [{"name": "plain"},

@@ -21,12 +21,14 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["EMBEDDED", "TargetLoadError", "gguf_cache_dir", "load_hf", "resolve_model", "save_converted"]
+__all__ = ["EMBEDDED", "TargetLoadError", "cache_root", "converted_checkpoint", "gguf_cache_dir", "load_hf",
+           "resolve_model", "save_converted"]
 
 # name -> (package that ships the file, file name inside it, how to install the package)
 EMBEDDED = {
@@ -73,14 +75,23 @@ def resolve_model(model: str) -> tuple[Path, str | None]:
     )
 
 
+def cache_root(env: Mapping[str, str] | None = None) -> Path:
+    """specforge's cache directory: ``$SPECFORGE_CACHE_DIR``, else ``~/.cache/specforge``."""
+    base = (os.environ if env is None else env).get("SPECFORGE_CACHE_DIR")
+    return Path(base) if base else Path.home() / ".cache" / "specforge"
+
+
 def gguf_cache_dir(gguf: Path) -> Path:
     """Where the converted checkpoint of ``gguf`` lives (it may not exist yet)."""
     import transformers
 
     stat = gguf.stat()
     key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    root = Path(os.environ.get("SPECFORGE_CACHE_DIR") or Path.home() / ".cache" / "specforge")
-    return root / "gguf" / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return cache_root() / "gguf" / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _complete(directory: Path) -> bool:
+    return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
 
 
 def save_converted(hf_model: Any, tokenizer: Any, dest: Path) -> None:
@@ -117,7 +128,7 @@ def _write_gguf_cache(hf_model: Any, tokenizer: Any, dest: Path) -> None:
         save_converted(hf_model, tokenizer, dest)
     except Exception as exc:  # noqa: BLE001 - a cache must never fail the load (read-only home,
         # full disk, a concurrent writer that won the rename)
-        if not (dest / "config.json").is_file():
+        if not _complete(dest):
             warnings.warn(f"could not cache the converted GGUF at {dest} ({exc}); "
                           "the next load converts it again", RuntimeWarning, stacklevel=3)
 
@@ -127,7 +138,7 @@ def load_hf(model: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     directory, gguf = resolve_model(model)
     if gguf and dtype == torch.float32:
         cached = gguf_cache_dir(directory / gguf)
-        if (cached / "config.json").is_file() and any(cached.glob("*.safetensors")):
+        if _complete(cached):
             try:
                 return _load(cached, None, dtype)
             except TargetLoadError as exc:  # damaged after it was written: convert again
@@ -138,6 +149,27 @@ def load_hf(model: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
         _write_gguf_cache(hf_model, tokenizer, cached)
         return hf_model, tokenizer
     return _load(directory, gguf, dtype)
+
+
+def converted_checkpoint(model: str, refresh: bool = False) -> Path:
+    """An HF directory (safetensors, config, tokenizer) holding ``model``: the directory itself,
+    or for a GGUF its cached float32 conversion, made now if missing (``refresh``: remade).
+    For peers that read HF directories only (vLLM); unlike :func:`load_hf`, a cache that cannot
+    be written is an error here, since the caller needs the directory."""
+    directory, gguf = resolve_model(model)
+    if gguf is None:
+        return directory
+    cached = gguf_cache_dir(directory / gguf)
+    if refresh:
+        shutil.rmtree(cached, ignore_errors=True)
+    if not _complete(cached):
+        hf_model, tokenizer = _load(directory, gguf, torch.float32)
+        try:
+            save_converted(hf_model, tokenizer, cached)
+        except OSError:
+            if not _complete(cached):  # not a concurrent writer that won the rename
+                raise
+    return cached
 
 
 def _load(directory: Path, gguf: str | None, dtype: torch.dtype) -> tuple[Any, Any]:
