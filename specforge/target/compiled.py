@@ -38,14 +38,25 @@ Attend = Callable[[Tensor, Tensor, Tensor, int], Tensor]
 _PASS_ATTENTION: ContextVar[Attend] = ContextVar("specforge_pass_attention")
 
 
-@torch.library.custom_op("specforge::attend", mutates_args=())
+# Both ops are declared with the low-level torch.library API rather than ``custom_op``: its
+# Python wrapper (autograd check, aliasing check, dynamo guard) cost ~9 µs a call in inference
+# mode, and a decoding step of SmolLM2 makes 120 projection calls (measured: 120 packed
+# projections of one row, 11.1 ms through ``custom_op``, 10.2 ms through these, 9.4 ms direct).
+_LIB = torch.library.Library("specforge", "DEF")  # held for the life of the process
+_LIB.define("attend(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
+_LIB.define("linear(Tensor x, int key) -> Tensor")
+
+
 def attend_op(q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
     # The cache write is a side effect the graph does not see; it stays ordered because every
     # layer's input depends on the previous layer's attention output.
     return _PASS_ATTENTION.get()(q, k, v, layer).contiguous()
 
 
-@attend_op.register_fake
+_LIB.impl("attend", attend_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("specforge::attend")
 def _(q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
     return q.new_empty(q.shape)
 
@@ -65,12 +76,14 @@ def register_projection(projection: Any) -> int:
     return key
 
 
-@torch.library.custom_op("specforge::linear", mutates_args=())
 def linear_op(x: Tensor, key: int) -> Tensor:
     return _PROJECTIONS[key].packed_linear(x)
 
 
-@linear_op.register_fake
+_LIB.impl("linear", linear_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("specforge::linear")
 def _(x: Tensor, key: int) -> Tensor:
     return x.new_empty((*x.shape[:-1], _PROJECTIONS[key].weight.shape[0]))
 
