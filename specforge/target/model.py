@@ -83,7 +83,11 @@ class Projection:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.packed is None:
+        # Branch on the int key, not on `self.packed`: traced, the opaque packed tensor would
+        # become a guarded graph input with symbolic sizes (~8 guards per projection, 2 of them
+        # Python lambdas; a decode graph of SmolLM2 drops from ~2,500 guards to ~1,500 — no
+        # end-to-end speed difference measured, 0.99x in 16 paired trials).
+        if self.key < 0:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
             return torch.ops.specforge.linear(x, self.key)
