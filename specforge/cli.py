@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also report ngram ÷ plain at concurrency 1 on each of these sets")
     eb.add_argument("--eval-dir", default=None, help="directory of the eval JSONL sets")
     eb.add_argument("--profile", default=None, metavar="FILE",
-                    help="hardware profile for the ngram-hw variant (default: measure SPS(B) first, in the run)")
+                    help="hardware profile for the ngram-hw variant (default: measure SPS(B) first, in the run; "
+                    "with --compile once more with the compiled forward)")
     eb.add_argument("--compile", action="store_true",
                     help="also run every engine variant with the compiled target forward "
                     "(target.compile; system specforge-compiled), right after its eager run")

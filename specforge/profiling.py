@@ -12,6 +12,13 @@ Small B is memory-bound (reading the weights dominates, so SPS barely moves betw
 B = 8 on a CPU in bf16); large B becomes compute-bound and SPS falls like 1/B.  Hardware-aware
 schedulers (``hw-prefix``, ``async-topk``) read the curve to decide how many draft tokens a round
 can afford at the current load.
+
+On a shared machine the speed drifts by tens of percent within a minute, so the repetitions are
+interleaved (each sweep times every B once, alternating direction) and the curve the profile keeps
+is the closest non-increasing fit to the per-B medians: a pass that carries more tokens is never
+cheaper, and a curve that says so would have the scheduler verify more tokens to go faster.  A
+profile measured in a slow minute showed SPS(1) = 16.5 below SPS(8) = 24.6 and SPS(16) = 13.4
+below SPS(32) = 18.4, and ``ngram-hw`` then speculated at 16 requests for 0.68x of plain decoding.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from specforge.hardware import HardwareProfile
 from specforge.target import TargetModel
 from specforge.target.batch import VarlenBatch
 
-__all__ = ["DEFAULT_BATCHES", "measure_sps", "plot_profile", "profile_table", "split_tokens"]
+__all__ = ["DEFAULT_BATCHES", "measure_sps", "non_increasing", "plot_profile", "profile_table", "split_tokens"]
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -40,6 +47,18 @@ def split_tokens(batch: int, requests: int) -> list[int]:
         raise ValueError(f"batch and requests must be positive (got {batch}, {requests})")
     r = min(batch, requests)
     return [batch // r + (1 if i < batch % r else 0) for i in range(r)]
+
+
+def non_increasing(values: Sequence[float]) -> list[float]:
+    """The non-increasing sequence closest to ``values`` in least squares (pool adjacent
+    violators: a run that rises is replaced by its mean, repeatedly, until nothing rises)."""
+    blocks: list[list[float]] = []  # [mean, count] of pooled runs, left to right
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
 
 
 def _device_label() -> str:
@@ -60,8 +79,11 @@ def measure_sps(
 ) -> tuple[HardwareProfile, list[dict[str, Any]]]:
     """Time verify passes of every B in ``batches``; the profile and one record per B.
 
-    Each record holds B, the requests it was spread over, every repetition's seconds, the median
-    and SPS = 1 / median (the median, because a noisy machine's outliers are slow, never fast).
+    ``reps`` sweeps over all of ``batches`` (after ``warmup`` passes of each), alternating
+    direction, so a slow minute lands on every B alike.  Each record holds B, the requests it was
+    spread over, every repetition's seconds, the median, ``sps_measured`` = 1 / median (the
+    median, because a noisy machine's outliers are slow, never fast) and ``sps``, that curve made
+    non-increasing in B (:func:`non_increasing`), which is what the profile holds.
     """
     from tqdm.auto import tqdm
 
@@ -85,34 +107,47 @@ def measure_sps(
     for s in ids:
         cache.advance(s, context)
 
-    records: list[dict[str, Any]] = []
-    points: dict[int, float] = {}
-    for b in tqdm(batches, desc="profile SPS(B)", unit="B", disable=not progress, file=sys.stderr):
+    passes = []
+    for b in batches:
         runs = split_tokens(b, requests)
         tokens = [torch.randint(0, vocab, (n,), generator=gen) for n in runs]
         batch = VarlenBatch.build(tokens, list(range(len(runs))), [context] * len(runs))
-        rows = torch.arange(b)  # a verify pass needs the logits of every token it carries
-        times = []
-        for i in range(warmup + reps):
-            t0 = time.perf_counter()
-            target.forward(batch, cache, logits_rows=rows)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        median = statistics.median(times)
-        points[b] = 1.0 / median
-        records.append({"batch": b, "requests": len(runs), "seconds": [round(t, 6) for t in times],
-                        "median_s": round(median, 6), "sps": round(1.0 / median, 3),
-                        "tokens_per_s": round(b / median, 1)})
+        # a verify pass needs the logits of every token it carries
+        passes.append((b, len(runs), batch, torch.arange(b)))
+    times: dict[int, list[float]] = {b: [] for b in batches}
+    bar = tqdm(total=(warmup + reps) * len(passes), desc="profile SPS(B)", unit="pass",
+               disable=not progress, file=sys.stderr)
+    with bar:
+        for b, _, batch, rows in passes:
+            for _ in range(warmup):
+                target.forward(batch, cache, logits_rows=rows)
+                bar.update()
+        for rep in range(reps):
+            for b, _, batch, rows in (passes if rep % 2 == 0 else passes[::-1]):
+                t0 = time.perf_counter()
+                target.forward(batch, cache, logits_rows=rows)
+                times[b].append(time.perf_counter() - t0)
+                bar.update()
+
+    medians = [statistics.median(times[b]) for b in batches]
+    fitted = non_increasing([1.0 / m for m in medians])
+    points = dict(zip(batches, fitted))
+    records = [{"batch": b, "requests": r, "seconds": [round(t, 6) for t in times[b]],
+                "median_s": round(m, 6), "sps_measured": round(1.0 / m, 3), "sps": round(f, 3),
+                "tokens_per_s": round(b * f, 1)}
+               for (b, r, _, _), m, f in zip(passes, medians, fitted)]
     profile = HardwareProfile(points, device=_device_label(), target=target.name)
     return profile, records
 
 
 def profile_table(records: Sequence[dict[str, Any]]) -> str:
     base = records[0]["sps"]
-    head = f"{'B':>5} {'requests':>8} {'ms/pass':>8} {'SPS':>8} {'tokens/s':>9} {'SPS/SPS(B0)':>11}"
+    head = (f"{'B':>5} {'requests':>8} {'ms/pass':>8} {'measured':>9} {'SPS':>8} {'tokens/s':>9} "
+            f"{'SPS/SPS(B0)':>11}")
     lines = [head, "-" * len(head)]
     for r in records:
-        lines.append(f"{r['batch']:>5} {r['requests']:>8} {1e3 * r['median_s']:>8.2f} {r['sps']:>8.2f} "
+        lines.append(f"{r['batch']:>5} {r['requests']:>8} {1e3 * r['median_s']:>8.2f} "
+                     f"{r.get('sps_measured', r['sps']):>9.2f} {r['sps']:>8.2f} "
                      f"{r['tokens_per_s']:>9.1f} {r['sps'] / base:>11.3f}")
     return "\n".join(lines)
 
@@ -127,6 +162,9 @@ def plot_profile(records: Sequence[dict[str, Any]], path: Path, title: str) -> P
     ax = fig.add_subplot()
     bs = [r["batch"] for r in records]
     ax.plot(bs, [r["sps"] for r in records], marker="o", color="tab:blue", label="SPS(B): passes / s")
+    if all("sps_measured" in r for r in records):  # the medians the non-increasing curve was fitted to
+        ax.plot(bs, [r["sps_measured"] for r in records], linestyle="none", marker="x",
+                color="tab:blue", alpha=0.6, label="measured (median)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("flattened verify batch B (tokens)")
     ax.set_ylabel("verify passes / s", color="tab:blue")
@@ -134,6 +172,7 @@ def plot_profile(records: Sequence[dict[str, Any]], path: Path, title: str) -> P
     twin = ax.twinx()
     twin.plot(bs, [r["tokens_per_s"] for r in records], marker="s", color="tab:orange", label="B · SPS(B)")
     twin.set_ylabel("tokens verified / s", color="tab:orange")
+    ax.legend(loc="upper right", fontsize=8)
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -12,9 +12,11 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specforge.hardware import HardwareProfile
-from specforge.profiling import measure_sps, split_tokens
+from specforge.profiling import measure_sps, non_increasing, split_tokens
 from specforge.target import TargetModel
 from tiny_models import save_tiny, tiny_model
 
@@ -40,8 +42,29 @@ def test_measure_sps_times_every_batch_and_builds_a_profile():
     assert all(len(r["seconds"]) == 2 and r["sps"] > 0 for r in records)
     assert [b for b, _ in profile.points()] == [1, 3, 8]
     assert profile.target == "tiny"
-    for r in records:  # SPS is the reciprocal of the median pass time
-        assert r["sps"] == pytest.approx(1 / r["median_s"], rel=1e-3)
+    for r in records:  # the measured SPS is the reciprocal of the median pass time
+        assert r["sps_measured"] == pytest.approx(1 / r["median_s"], rel=1e-3)
+    fitted = [r["sps"] for r in records]
+    assert all(a >= b for a, b in zip(fitted, fitted[1:]))  # a bigger pass is never faster
+    assert [v for _, v in profile.points()] == pytest.approx(fitted, rel=1e-3)
+
+
+def test_non_increasing_pools_a_slow_minute_into_its_neighbours():
+    # A curve measured on this 2-core machine while its speed drifted (bench-engine-s13).
+    measured = [16.5, 19.2, 24.0, 24.6, 20.5, 13.4, 17.2, 18.4, 14.3, 12.4, 10.7]
+    fit = non_increasing(measured)
+    assert fit == pytest.approx([21.075] * 4 + [20.5] + [49 / 3] * 3 + [14.3, 12.4, 10.7])
+
+
+@given(st.lists(st.floats(0.1, 1e3), min_size=1, max_size=30))
+def test_non_increasing_is_the_monotone_least_squares_fit(values):
+    fit = non_increasing(values)
+    assert len(fit) == len(values)
+    assert all(a >= b - 1e-9 * max(1.0, abs(b)) for a, b in zip(fit, fit[1:]))
+    assert sum(fit) == pytest.approx(sum(values), rel=1e-9)  # pooling keeps every run's mean
+    assert non_increasing(fit) == pytest.approx(fit)  # already monotone: left alone
+    if all(a >= b for a, b in zip(values, values[1:])):
+        assert fit == pytest.approx(values)
 
 
 def test_measure_sps_refuses_a_context_beyond_the_model():

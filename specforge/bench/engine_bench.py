@@ -198,14 +198,24 @@ def run_engine_benchmark(
         # are a separate copy, so this measures transformers' generate unchanged.
         records.extend(bench_hf(prompt_ids, dtypes=[dtype], concurrencies=[1],
                                 max_new_tokens=max_new_tokens, progress=progress))
-    profile_records = None
+    profile_records = profile_compiled = compiled_records = None
     if "specforge" in systems:
+        profile_compiled = profile
         if profile is None:
             # Up to the largest verify pass a round can form: every request with its full block.
             gamma = max(spec[1]["gamma"] for spec in ENGINE_VARIANTS.values() if spec is not None)
             largest = max(concurrency) * (gamma + 1)
             batches = sorted({b for b in DEFAULT_BATCHES if b < largest} | {largest})
             profile, profile_records = measure_sps(target, batches, requests=max(concurrency), progress=progress)
+            if trunk is not None:
+                # The compiled forward has its own step curve (a cheaper small-B pass makes a
+                # large verify relatively dearer), so its ngram-hw schedules with that one.
+                target.runtime.compiled = trunk
+                try:
+                    profile_compiled, compiled_records = measure_sps(target, batches, requests=max(concurrency),
+                                                                     progress=progress)
+                finally:
+                    target.runtime.compiled = None
         for c in concurrency:
             for variant in ENGINE_VARIANTS:
                 records.append(bench_engine_variant(target, prompt_ids, variant, c, max_new_tokens,
@@ -214,7 +224,8 @@ def run_engine_benchmark(
                     target.runtime.compiled = trunk
                     try:  # a longer warm-up: the graphs generalise their sizes on the first passes
                         records.append(bench_engine_variant(target, prompt_ids, variant, c, max_new_tokens,
-                                                            progress=progress, profile=profile, warmup_tokens=32))
+                                                            progress=progress, profile=profile_compiled,
+                                                            warmup_tokens=32))
                     finally:
                         target.runtime.compiled = None
     if "vllm" in systems:
@@ -243,6 +254,8 @@ def run_engine_benchmark(
         "compiled": None if not compiled else (trunk is not None and trunk.failed is None),
         "hardware_profile": None if profile is None else profile.to_dict(),
         "profile_timings": profile_records,
+        "hardware_profile_compiled": None if compiled_records is None else profile_compiled.to_dict(),
+        "profile_timings_compiled": compiled_records,
     }
 
 
@@ -250,6 +263,8 @@ def save(result: dict[str, Any], out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "engine.json"
     path.write_text(json.dumps(result, indent=2))
-    if result.get("hardware_profile"):  # the step curve ngram-hw scheduled with, reusable via --profile
-        HardwareProfile.from_dict(result["hardware_profile"]).save(out / "profile.json")
+    # the step curves ngram-hw scheduled with, reusable via --profile
+    for key, name in (("hardware_profile", "profile.json"), ("hardware_profile_compiled", "profile-compiled.json")):
+        if result.get(key):
+            HardwareProfile.from_dict(result[key]).save(out / name)
     return path, plot(result["records"], out / "engine.png")
