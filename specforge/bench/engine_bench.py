@@ -208,8 +208,8 @@ def run_engine_benchmark(
             batches = sorted({b for b in DEFAULT_BATCHES if b < largest} | {largest})
             profile, profile_records = measure_sps(target, batches, requests=max(concurrency), progress=progress)
             if trunk is not None:
-                # The compiled forward has its own step curve (a cheaper small-B pass makes a
-                # large verify relatively dearer), so its ngram-hw schedules with that one.
+                # The compiled forward's step curve has another shape (it removes per-token
+                # overhead, which weighs most on small passes), so its ngram-hw schedules with it.
                 target.runtime.compiled = trunk
                 try:
                     profile_compiled, compiled_records = measure_sps(target, batches, requests=max(concurrency),
