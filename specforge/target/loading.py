@@ -123,14 +123,22 @@ def save_converted(hf_model: Any, tokenizer: Any, dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write_gguf_cache(hf_model: Any, tokenizer: Any, dest: Path) -> None:
+def _cache_conversion(hf_model: Any, tokenizer: Any, dest: Path) -> None:
+    """:func:`save_converted`, where losing the rename to a concurrent writer counts as done."""
     try:
         save_converted(hf_model, tokenizer, dest)
-    except Exception as exc:  # noqa: BLE001 - a cache must never fail the load (read-only home,
-        # full disk, a concurrent writer that won the rename)
+    except Exception:
         if not _complete(dest):
-            warnings.warn(f"could not cache the converted GGUF at {dest} ({exc}); "
-                          "the next load converts it again", RuntimeWarning, stacklevel=3)
+            raise
+
+
+def _write_gguf_cache(hf_model: Any, tokenizer: Any, dest: Path) -> None:
+    try:
+        _cache_conversion(hf_model, tokenizer, dest)
+    except Exception as exc:  # noqa: BLE001 - a cache must never fail the load (read-only home,
+        # full disk)
+        warnings.warn(f"could not cache the converted GGUF at {dest} ({exc}); "
+                      "the next load converts it again", RuntimeWarning, stacklevel=3)
 
 
 def load_hf(model: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
@@ -163,12 +171,7 @@ def converted_checkpoint(model: str, refresh: bool = False) -> Path:
     if refresh:
         shutil.rmtree(cached, ignore_errors=True)
     if not _complete(cached):
-        hf_model, tokenizer = _load(directory, gguf, torch.float32)
-        try:
-            save_converted(hf_model, tokenizer, cached)
-        except OSError:
-            if not _complete(cached):  # not a concurrent writer that won the rename
-                raise
+        _cache_conversion(*_load(directory, gguf, torch.float32), cached)
     return cached
 
 
