@@ -9,7 +9,8 @@ are what this reports — seconds apart, the machine's drift mostly cancels.
 
 Arms: ``hf`` (Hugging Face ``generate``, bf16, the batch left-padded), and
 ``{eager,compiled}-{plain,ngram}`` (this engine, bf16, eager or compiled target forward; ``ngram``
-with γ = 5 and the fixed scheduler, as in ``specforge bench engine``).
+with γ = 5 and the fixed scheduler, as in ``specforge bench engine``); a ``native-`` prefix runs
+the same arm with the GGUF's 4-bit blocks as stored (``target.weights=native``).
 
     python scripts/engine_ab.py --arms hf eager-plain compiled-plain compiled-ngram --trials 40 --out runs/engine-ab
 """
@@ -30,11 +31,15 @@ from specforge.bench.prompts import apply_chat_template, select_prompts
 from specforge.engine import GenerationRequest
 from specforge.target import TargetModel
 
-ENGINE_ARMS = [f"{f}-{v}" for f in ("eager", "compiled") for v in ("plain", "ngram")]
+ENGINE_ARMS = [f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram")]
 
 
 def quartiles(xs: list[float]) -> list[float]:
     return [round(q, 3) for q in statistics.quantiles(xs, n=4)] if len(xs) > 1 else [round(xs[0], 3)] * 3
+
+
+def _weights(arm: str) -> str:
+    return "native" if arm.startswith("native-") else "dense"
 
 
 def main() -> None:
@@ -55,15 +60,18 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     c, n = args.concurrency, args.max_new_tokens
-    target = TargetModel.load("smollm2", "bfloat16")
-    prompts = [apply_chat_template(target.tokenizer, p.text)
+    targets = {w: TargetModel.load("smollm2", "bfloat16", weights=w)
+               for w in ("dense", "native") if any(_weights(a) == w for a in args.arms if a != "hf")}
+    tokenizer = next(iter(targets.values())).tokenizer if targets else load_smollm2("float32")[1]
+    prompts = [apply_chat_template(tokenizer, p.text)
                for p in select_prompts(["humaneval", "mt-bench"], max(args.prompts, c))]
-    trunk = None
-    if any(a.startswith("compiled") for a in args.arms):
-        if not target.runtime.compile():
-            raise SystemExit("torch.compile is not available here (no C++ compiler)")
-        trunk = target.runtime.compiled
-    engines = {a: _engine(target, a.split("-", 1)[1], c, n) for a in args.arms if a != "hf"}
+    trunks = {}
+    for w, target in targets.items():
+        if any("compiled" in a and _weights(a) == w for a in args.arms):
+            if not target.runtime.compile():
+                raise SystemExit("torch.compile is not available here (no C++ compiler)")
+            trunks[w] = target.runtime.compiled
+    engines = {a: _engine(targets[_weights(a)], a.rsplit("-", 1)[1], c, n) for a in args.arms if a != "hf"}
     hf_model, pad_id = None, 0
     if "hf" in args.arms:
         hf_model = load_smollm2("float32", tokenizer=False)[0].to(torch.bfloat16)
@@ -73,7 +81,8 @@ def main() -> None:
         if arm == "hf":
             rows, seconds = run_generate(hf_model, batch, tokens, pad_id)
             return sum(len(r) for r in rows) / seconds
-        target.runtime.compiled = trunk if arm.startswith("compiled") else None
+        w = _weights(arm)
+        targets[w].runtime.compiled = trunks.get(w) if "compiled" in arm else None
         started = time.perf_counter()
         outs = engines[arm].generate([GenerationRequest(prompt_ids=p, max_new_tokens=tokens, ignore_eos=True)
                                       for p in batch])
@@ -81,7 +90,7 @@ def main() -> None:
 
     started = time.perf_counter()
     for arm in args.arms:  # compile the graphs (sizes generalise over the first passes), untimed
-        for i in range(3 if arm.startswith("compiled") else 1):
+        for i in range(3 if "compiled" in arm else 1):
             trial(arm, [prompts[(i + j) % len(prompts)] for j in range(c)], n)
     warmup = time.perf_counter() - started
     speeds: dict[str, list[float]] = {a: [] for a in args.arms}
@@ -100,7 +109,7 @@ def main() -> None:
                         f"ratio_to_{baseline}_quartiles": quartiles(ratios)}
     result = {"arms": args.arms, "baseline": baseline, "trials": args.trials, "concurrency": c,
               "max_new_tokens": n, "threads": torch.get_num_threads(), "warmup_seconds": round(warmup, 1),
-              "compile_failed": None if trunk is None else trunk.failed, "summary": summary, "tok_s": speeds}
+              "compile_failed": {w: t.failed for w, t in trunks.items()}, "summary": summary, "tok_s": speeds}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"ab-{'-'.join(args.arms)}-c{c}.json"

@@ -108,7 +108,8 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
 
     if pipeline.component("drafter") is None:
         raise ValueError("the pipeline has no drafter: there is nothing to evaluate (set drafter.name)")
-    target = target or TargetModel.load(pipeline.target.model, pipeline.target.dtype, pipeline.target.compile)
+    target = target or TargetModel.load(pipeline.target.model, pipeline.target.dtype, pipeline.target.compile,
+                                           pipeline.target.weights)
     limits = EngineConfig(max_batch=settings.concurrency, max_context=pipeline.engine.max_context)
     spec = Engine.from_pipeline(replace(pipeline, engine=limits), target)
     plain = Engine(target, pipeline.component("verifier").create(), engine=limits) if settings.speedup else None

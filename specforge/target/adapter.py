@@ -11,8 +11,9 @@ from torch import Tensor
 from specforge.target.args import ModelArgs
 from specforge.target.batch import VarlenBatch
 from specforge.target.cache import KVCache
-from specforge.target.loading import load_hf
+from specforge.target.loading import load_hf, resolve_model
 from specforge.target.model import ForwardOutput, Transformer
+from specforge.target.quantized import NativeWeightsError, use_native_weights
 
 __all__ = ["TargetModel"]
 
@@ -38,15 +39,27 @@ class TargetModel:
         with torch.no_grad():
             self.runtime = Transformer(self.args, hf_model, dtype).eval()
         self.eos_ids = self._eos_ids(hf_model, tokenizer)
+        # projections running natively on 4-bit blocks vs dense (see load(weights="native"))
+        self.weights = {"native": 0, "dense": 4 * self.args.n_layers}
 
     @classmethod
     def load(cls, model: str = "smollm2", dtype: str | torch.dtype = "bfloat16",
-             compile: bool = False) -> TargetModel:
+             compile: bool = False, weights: str = "dense") -> TargetModel:
         """Load the embedded default, an HF directory or a GGUF file (see :mod:`.loading`);
-        ``compile`` turns on the compiled forward (:meth:`Transformer.compile`)."""
+        ``compile`` turns on the compiled forward (:meth:`Transformer.compile`); ``weights="native"``
+        runs a GGUF's 4-bit blocks as stored (:mod:`.quantized`)."""
         dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        if weights not in ("dense", "native"):
+            raise ValueError(f"weights must be 'dense' or 'native', not {weights!r}")
         hf_model, tokenizer = load_hf(model, torch.float32)
         target = cls(hf_model, tokenizer, dtype, name=model)
+        if weights == "native":
+            directory, gguf = resolve_model(model)
+            if gguf is None:
+                raise NativeWeightsError(f"{model}: native weights are a GGUF's own 4-bit blocks; "
+                                         "this target is a safetensors directory (use weights=dense)")
+            with torch.no_grad():
+                target.weights = use_native_weights(target.runtime, hf_model, directory / gguf)
         if compile:
             target.runtime.compile()
         return target

@@ -61,7 +61,8 @@ def _(q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
     return q.new_empty(q.shape)
 
 
-# Packed projections by key.  oneDNN's pre-packed bf16 weights (see Projection) are opaque
+# Packed projections by key (anything with ``packed_linear`` and ``out_features``: the dense
+# Projection, or target.quantized's Int4Projection).  oneDNN's pre-packed bf16 weights (see Projection) are opaque
 # tensors inductor cannot lower, and its own packing (freezing) picks a blocking that runs the
 # one-row matmuls of decoding about 2x slower.  So each packed projection is one custom op call
 # the compiler leaves alone, keyed by an int: the weights never enter the graph at all.
@@ -85,7 +86,7 @@ _LIB.impl("linear", linear_op, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("specforge::linear")
 def _(x: Tensor, key: int) -> Tensor:
-    return x.new_empty((*x.shape[:-1], _PROJECTIONS[key].weight.shape[0]))
+    return x.new_empty((*x.shape[:-1], _PROJECTIONS[key].out_features))
 
 
 def compile_available() -> bool:

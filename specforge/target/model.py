@@ -69,6 +69,7 @@ class Projection:
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
+        self.out_features = weight.shape[0]
         self.packed = None
         if (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
                 and torch.backends.mkldnn.is_available()):

@@ -1,0 +1,186 @@
+"""A GGUF target's 4-bit blocks run as they are stored (``target.weights=native``).
+
+The embedded SmolLM2 is a Q4_1 GGUF: every projection is stored as blocks of 32 four-bit codes
+with a scale and an offset, 0.625 bytes a weight.  Loading it through transformers expands those
+to float32 (and the runtime then rounds them to bf16, 2 bytes a weight).  On a CPU a decoding step
+is a stream of the weights through memory, so a step that reads the 4-bit blocks directly reads
+about 3x fewer bytes.  torch ships the kernel: ``_weight_int4pack_mm_for_cpu`` (AVX-512/AVX2),
+which takes bf16 activations and computes ``(code - 8) * scale + zero`` per block in float32.
+
+What this changes numerically, stated plainly: the dense bf16 runtime rounds each weight to bf16;
+the native one keeps each block's 16 levels exact and rounds the block's scale and offset to bf16
+instead (what the kernel takes).  Neither is the float32 model; both are bf16-class renderings of
+the same file, and ``specforge bench engine`` reports how often each agrees with float32 greedy
+decoding.  Speculative decoding stays lossless with respect to whichever one the engine runs.
+
+Only Q4_0 and Q4_1 projections run natively; a projection stored in any other type (or split
+across types) stays dense.  Every native projection is checked at load against the weights
+transformers decoded from the same file — bit for bit in float32 — so a wrong tensor name or row
+order is an error naming the tensor, never a silently different model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specforge.target.compiled import register_projection
+
+__all__ = ["GROUP", "NativeWeightsError", "Q4Blocks", "Int4Projection", "read_q4", "use_native_weights"]
+
+GROUP = 32  # weights per block in Q4_0/Q4_1, and the kernel's group size
+
+# Above this many rows the kernel, which re-reads and re-decodes the blocks for every four rows,
+# is slower than decoding the blocks once to float32 and running one dense matmul (SmolLM2's
+# projections, 2 threads: 64 rows 118 ms through the kernel; see use_native_weights).
+DENSE_ROWS = 32
+
+
+class NativeWeightsError(ValueError):
+    """The target cannot run its GGUF blocks natively; the message says why."""
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    """One matrix in 4-bit blocks: ``w[n, k] = codes[n, k] * scale[n, k // 32] + offset[…]``, with
+    ``scale`` and ``offset`` as the file stores them (fp16, held as float32)."""
+
+    codes: Tensor  # [N, K] uint8 in 0..15
+    scale: Tensor  # [N, K // 32] float32
+    offset: Tensor  # [N, K // 32] float32
+
+    def dequantized(self) -> Tensor:
+        """Float32 weights exactly as the file defines them (and transformers decodes them)."""
+        n, k = self.codes.shape
+        levels = self.codes.view(n, k // GROUP, GROUP).float()
+        return (levels * self.scale[..., None] + self.offset[..., None]).view(n, k)
+
+    @staticmethod
+    def cat(parts: list[Q4Blocks]) -> Q4Blocks:
+        return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "offset")))
+
+    def rows(self, index: Tensor) -> Q4Blocks:
+        return Q4Blocks(self.codes[index], self.scale[index], self.offset[index])
+
+
+def read_q4(tensor: Any) -> Q4Blocks | None:
+    """Decode a GGUF tensor (``gguf.ReaderTensor``) stored as Q4_0 or Q4_1; ``None`` for any other
+    type.  Blocks: fp16 d, (Q4_1: fp16 m,) 16 bytes of codes — low nibbles are weights 0-15,
+    high nibbles 16-31 — and the weight is ``d * q + m`` (Q4_1) or ``d * (q - 8)`` (Q4_0)."""
+    import gguf
+
+    kind = tensor.tensor_type
+    if kind not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
+        return None
+    k, n = (int(s) for s in tensor.shape[:2])  # GGUF lists the contiguous dimension first
+    if k % GROUP:
+        return None
+    block = 18 if kind == gguf.GGMLQuantizationType.Q4_0 else 20
+    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)).view(n, k // GROUP, block)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+    if block == 18:
+        m, packed = -8 * d, raw[..., 2:]
+    else:
+        m, packed = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0], raw[..., 4:]
+    # Q4_0's d * (q - 8) as d * q + (-8 d): both products are exact in float32, and so is their
+    # sum (it equals the exact d * (q - 8)), so this is the file's value bit for bit.
+    return Q4Blocks(torch.cat([packed & 15, packed >> 4], dim=-1).reshape(n, k), d, m)
+
+
+class Int4Projection:
+    """``y = x Wᵀ (+ b)`` over 4-bit blocks: torch's int4 kernel for the few rows of decoding and
+    verification, one dense float32 matmul over the decoded blocks for prefills.  The kernel's
+    rows do not depend on how many rows a call has (bit for bit, checked in the tests), so a
+    token's logits are the same alone or in a batch of up to :data:`DENSE_ROWS` rows."""
+
+    def __init__(self, blocks: Q4Blocks, bias: Tensor | None = None) -> None:
+        self.out_features, self.in_features = blocks.codes.shape
+        self.bias = bias
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.codes.int(), 1)
+        # The kernel computes (q - 8) * scale + zero, reading [K / 32, N, 2] in bf16.
+        zero = blocks.offset + 8 * blocks.scale
+        self.scale_zero = torch.stack([blocks.scale, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
+        self.nibbles = blocks.codes[:, 0::2] | (blocks.codes[:, 1::2] << 4)  # for the dense path
+        self.key = register_projection(self)
+
+    def weight(self) -> Tensor:
+        """``[N, K]`` float32: the weights the kernel computes with (scale and zero in bf16)."""
+        n, k = self.out_features, self.in_features
+        codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(n, k // GROUP, GROUP)
+        scale, zero = self.scale_zero.float().transpose(0, 1).unbind(-1)
+        return ((codes.float() - 8) * scale[..., None] + zero[..., None]).view(n, k)
+
+    def packed_linear(self, x: Tensor) -> Tensor:
+        if x.shape[0] > DENSE_ROWS:
+            y = F.linear(x.float(), self.weight()).to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)
+        return y if self.bias is None else y + self.bias
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.specforge.linear(x, self.key)
+        return self.packed_linear(x)
+
+
+def _unpermute_rows(n_rows: int, n_head: int) -> Tensor:
+    # llama.cpp's converter interleaves the two rotary halves of each q/k head; transformers'
+    # GGUF loader undoes it for the "llama" architecture.  The same as a row index.
+    dim = n_rows // n_head // 2
+    return torch.arange(n_rows).view(n_head, dim, 2).transpose(1, 2).reshape(n_rows)
+
+
+def use_native_weights(runtime: Any, hf_model: Any, gguf_path: Path) -> dict[str, int]:
+    """Swap ``runtime``'s layer projections for :class:`Int4Projection` over ``gguf_path``'s blocks
+    where the file stores them as Q4_0/Q4_1.  Returns counts of native and dense projections."""
+    import gguf
+
+    if runtime.dtype != torch.bfloat16:
+        raise NativeWeightsError(f"native 4-bit weights need target.dtype=bfloat16 (torch's int4 kernel "
+                                 f"takes bf16 activations), not {str(runtime.dtype).removeprefix('torch.')}")
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") or runtime.embed.device.type != "cpu":
+        raise NativeWeightsError("native 4-bit weights need torch's CPU int4 kernel "
+                                 "(aten._weight_int4pack_mm_for_cpu) and a CPU target")
+    reader = gguf.GGUFReader(str(gguf_path))
+    tensors = {t.name: t for t in reader.tensors}
+    arch_field = reader.fields.get("general.architecture")
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
+    a = runtime.args
+    counts = {"native": 0, "dense": 0}
+    for i, (layer, hf_layer) in enumerate(zip(runtime.layers, hf_model.model.layers, strict=True)):
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        groups = {
+            "qkv_proj": (("attn_q", attn.q_proj, a.n_heads), ("attn_k", attn.k_proj, a.n_kv_heads),
+                         ("attn_v", attn.v_proj, 0)),
+            "o_proj": (("attn_output", attn.o_proj, 0),),
+            "up_proj": (("ffn_gate", mlp.gate_proj, 0), ("ffn_up", mlp.up_proj, 0)),
+            "down_proj": (("ffn_down", mlp.down_proj, 0),),
+        }
+        for attr, parts in groups.items():
+            blocks = []
+            for name, hf_linear, heads in parts:
+                full = f"blk.{i}.{name}.weight"
+                found = tensors.get(full)
+                b = read_q4(found) if found is not None else None
+                if b is None:
+                    break
+                if heads and arch == "llama":
+                    b = b.rows(_unpermute_rows(b.codes.shape[0], heads))
+                if not torch.equal(b.dequantized(), hf_linear.weight.detach().float()):
+                    raise NativeWeightsError(
+                        f"{gguf_path.name}: {full} decoded natively differs from the weight "
+                        f"transformers loaded for layer {i} ({attr}); refusing to run a different model")
+                blocks.append(b)
+            if len(blocks) < len(parts):
+                counts["dense"] += 1
+                continue
+            bias = getattr(layer, "bqkv", None) if attr == "qkv_proj" else None
+            setattr(layer, attr, Int4Projection(Q4Blocks.cat(blocks), bias))
+            counts["native"] += 1
+    return counts
