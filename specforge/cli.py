@@ -153,7 +153,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, systems=args.systems,
         per_dataset=args.per_dataset, eval_directory=args.eval_dir,
         profile=HardwareProfile.load(args.profile) if args.profile else None,
-        compiled=args.compile,
+        compiled=args.compile, weights=args.weights,
     )
     json_path, png_path = save(result, Path(args.out))
     if args.json:
@@ -162,6 +162,11 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         print(table(result["records"]))
         for name, row in result["per_dataset_ngram"].items():
             print(f"ngram ÷ engine AR on {name}: {row['ngram_over_ar']:.2f} (tau {row['tau']})")
+        fidelity = result.get("fidelity")
+        if fidelity:
+            print(f"against the float32 model, teacher-forced over {fidelity['positions']} positions: " + "; ".join(
+                f"{name} top-1 agreement {row['top1_agreement']:.4f}, mean KL {row['mean_kl']:.3g}"
+                for name, row in fidelity.items() if isinstance(row, dict)))
     print(f"wrote {json_path} and {png_path}", file=sys.stderr)
     return EXIT_OK
 
@@ -337,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--compile", action="store_true",
                     help="also run every engine variant with the compiled target forward "
                     "(target.compile; system specforge-compiled), right after its eager run")
+    eb.add_argument("--weights", choices=["dense", "native"], default="dense",
+                    help="the engine's weights (target.weights): 'native' runs the GGUF's 4-bit blocks "
+                    "(systems specforge-native…) and reports how close dense bf16 and native stay to "
+                    "the float32 model")
     eb.add_argument("--out", default="runs/bench-engine", help="where engine.json and engine.png go")
     eb.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     eb.set_defaults(func=cmd_bench_engine)

@@ -15,7 +15,7 @@ from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
 from specforge.target import TargetModel
 from specforge.target.batch import VarlenBatch
-from specforge.target.quantized import DENSE_ROWS, Int4Projection, NativeWeightsError, read_q4, use_native_weights
+from specforge.target.quantized import Int4Projection, NativeWeightsError, read_q4, use_native_weights
 
 Q4 = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
 
@@ -104,10 +104,10 @@ def test_native_projection_matches_its_dense_weights(native):
     assert counts == {"native": 4 * 3, "dense": 0}
     proj = quant.runtime.layers[1].up_proj
     torch.manual_seed(0)
-    x = torch.randn(DENSE_ROWS + 8, proj.in_features).bfloat16()
+    x = torch.randn(40, proj.in_features).bfloat16()
     expected = x.float() @ proj.weight().T
     scale = expected.abs().max()
-    for rows in (1, 3, DENSE_ROWS, DENSE_ROWS + 8):  # the kernel, and the dense path of prefills
+    for rows in (1, 3, 40):
         got = proj(x[:rows]).float()
         # bf16 output: within a few units of the last place of the largest value
         assert torch.allclose(got, expected[:rows], atol=float(scale) * 2**-7, rtol=0)
@@ -116,9 +116,9 @@ def test_native_projection_matches_its_dense_weights(native):
 def test_a_tokens_row_does_not_depend_on_the_batch(native):
     proj = native[2].runtime.layers[0].qkv_proj
     torch.manual_seed(1)
-    x = torch.randn(DENSE_ROWS, proj.in_features).bfloat16()
+    x = torch.randn(70, proj.in_features).bfloat16()
     full = proj(x)
-    for rows in (1, 2, 5, 8, 16):
+    for rows in (1, 2, 5, 8, 16, 33):
         assert torch.equal(proj(x[:rows]), full[:rows])
 
 
@@ -239,3 +239,37 @@ def test_the_embedded_smollm2_runs_natively_and_close_to_float32():
                          torch.arange(len(ids))).logits
     agree = (got.argmax(-1) == exact.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree
+
+
+def test_block_scale_and_zero_beat_rounding_each_to_the_nearest_bf16():
+    from specforge.target.quantized import Q4Blocks, bf16_scale_zero
+
+    torch.manual_seed(3)
+    n, k = 32, 256
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale = (torch.rand(n, k // 32) * 0.02 + 1e-3).half().float()
+    offset = (-scale * 7.5 + torch.randn(n, k // 32) * 0.01).half().float()
+    blocks = Q4Blocks(codes, scale, offset)
+    exact = blocks.dequantized().view(n, k // 32, 32)
+    levels = codes.view(n, k // 32, 32).float() - 8
+
+    def block_error(s, z):
+        return ((levels * s[..., None] + z[..., None] - exact) ** 2).sum(-1)
+
+    chosen = bf16_scale_zero(blocks).float()
+    nearest = block_error(scale.bfloat16().float(), (offset + 8 * scale).bfloat16().float())
+    mine = block_error(chosen[..., 0], chosen[..., 1])
+    assert torch.all(mine <= nearest) and mine.sum() < nearest.sum()
+
+
+def test_fidelity_of_renderings_against_float32(native):
+    from specforge.bench.fidelity import rendering_fidelity
+
+    model, dense, quant, _, _ = native
+    exact = TargetModel(model, None, torch.float32)  # the float32 runtime is the oracle's twin
+    seqs = [[0, 5, 17, 40, 3, 9, 22, 61, 7], [0, 1, 2, 3, 4, 5]]
+    got = rendering_fidelity({"fp32": exact, "dense": dense, "native": quant}, seqs, exact)
+    assert got["positions"] == 15
+    assert got["fp32"]["top1_agreement"] == 1.0 and got["fp32"]["mean_kl"] < 1e-6
+    for name in ("dense", "native"):
+        assert 0.5 <= got[name]["top1_agreement"] <= 1.0 and 0 <= got[name]["mean_kl"] < 0.05

@@ -81,7 +81,7 @@ def bench_engine_variant(
     step curve the ``-hw`` variants schedule with)."""
     from tqdm.auto import tqdm
 
-    system = "specforge-compiled" if target.runtime.compiled is not None else "specforge"
+    system = _system(target)
     engine = _engine(target, variant, concurrency, max_new_tokens, profile)
     plan = rounds_for(len(prompt_ids), concurrency, min_rounds)
 
@@ -110,12 +110,18 @@ def bench_engine_variant(
     return record
 
 
+def _system(target: TargetModel) -> str:
+    native = "-native" if target.weights["native"] else ""
+    return f"specforge{native}{'-compiled' if target.runtime.compiled is not None else ''}"
+
+
 def add_ratios(records: list[dict[str, Any]]) -> None:
-    """``vs_hf`` (÷ HF generate at c=1, same dtype) and ``vs_engine_ar`` (÷ engine plain, same c)."""
+    """``vs_hf`` (÷ HF generate at c=1, same dtype) and ``vs_engine_ar`` (÷ engine plain, eager,
+    same weights, same c)."""
     hf = {r["dtype"]: r["tok_s"] for r in records
           if r["system"] == "hf-generate" and r["concurrency"] == 1 and r.get("tok_s")}
     ar = {r["concurrency"]: r["tok_s"] for r in records
-          if r["system"] == "specforge" and r["variant"] == "plain" and r.get("tok_s")}
+          if r["system"] in ("specforge", "specforge-native") and r["variant"] == "plain" and r.get("tok_s")}
     for r in records:
         if not r.get("tok_s"):
             continue
@@ -126,14 +132,14 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    head = f"{'system':<18} {'variant':<8} {'dtype':<9} {'c':>3} {'tok/s':>8} {'per-req':>8} {'vs HF':>6} {'vs AR':>6}  note"
+    head = f"{'system':<25} {'variant':<8} {'dtype':<9} {'c':>3} {'tok/s':>8} {'per-req':>8} {'vs HF':>6} {'vs AR':>6}  note"
     lines = [head, "-" * len(head)]
     for r in records:
         def f(v, spec=".1f"):
             return format(v, spec) if isinstance(v, (int, float)) else "—"
         note = r.get("reason") or (f"tau={r['extra']['tau']}" if r.get("extra", {}).get("tau") else "")
         lines.append(
-            f"{r['system']:<18} {r['variant']:<8} {str(r.get('dtype')):<9} {r['concurrency']:>3} "
+            f"{r['system']:<25} {r['variant']:<8} {str(r.get('dtype')):<9} {r['concurrency']:>3} "
             f"{f(r.get('tok_s')):>8} {f(r.get('per_request_tok_s')):>8} {f(r.get('vs_hf'), '.2f'):>6} "
             f"{f(r.get('vs_engine_ar'), '.2f'):>6}  {note}"
         )
@@ -178,11 +184,13 @@ def run_engine_benchmark(
     progress: bool = True,
     profile: HardwareProfile | None = None,
     compiled: bool = False,
+    weights: str = "dense",
 ) -> dict[str, Any]:
     """Every system on the same prompts; ``profile`` (default: measured here, first) is the step
     curve of the ``ngram-hw`` variant.  ``compiled`` also runs every engine variant with the
-    compiled target forward (system ``specforge-compiled``), interleaved with the eager one."""
-    target = TargetModel.load("smollm2", dtype)
+    compiled target forward (system ``specforge-compiled``), interleaved with the eager one.
+    ``weights="native"`` runs the engine on the GGUF's 4-bit blocks and adds ``fidelity``."""
+    target = TargetModel.load("smollm2", dtype, weights=weights)
     trunk = None
     if compiled and "specforge" in systems:
         # One compiled trunk for the whole run, switched on and off per measurement, so its
@@ -243,9 +251,14 @@ def run_engine_benchmark(
         by_dataset[name] = {"plain_tok_s": plain["tok_s"], "ngram_tok_s": ngram["tok_s"],
                             "ngram_over_ar": round(ngram["tok_s"] / plain["tok_s"], 3),
                             "tau": ngram["extra"]["tau"]}
+    fidelity = None
+    if weights == "native":
+        fidelity = _fidelity(target, prompt_ids[:12], progress)
     return {
         "model": "SmolLM2-135M-Instruct",
         "dtype": dtype,
+        "weights": weights,
+        "fidelity": fidelity,
         "max_new_tokens": max_new_tokens,
         "datasets": list(datasets),
         "prompts": [p.to_dict() for p in picked],
@@ -257,6 +270,20 @@ def run_engine_benchmark(
         "hardware_profile_compiled": None if compiled_records is None else profile_compiled.to_dict(),
         "profile_timings_compiled": compiled_records,
     }
+
+
+def _fidelity(native: TargetModel, prompt_ids: Sequence[Sequence[int]], progress: bool) -> dict[str, Any]:
+    """Dense bf16 and native weights against the float32 model, on the prompts and 64 tokens of
+    the dense engine's greedy continuation of each."""
+    from specforge.bench.fidelity import rendering_fidelity
+
+    if progress:
+        print("fidelity: dense bf16 and native weights against float32 …", file=sys.stderr)
+    dense = TargetModel(native.hf_model, native.tokenizer, native.dtype, name=native.name)
+    outs = _engine(dense, "plain", 4, 64).generate(
+        [GenerationRequest(prompt_ids=p, max_new_tokens=64) for p in prompt_ids])
+    sequences = [list(p) + o.token_ids for p, o in zip(prompt_ids, outs, strict=True)]
+    return rendering_fidelity({"dense": dense, "native": native}, sequences, native)
 
 
 def save(result: dict[str, Any], out: Path) -> tuple[Path, Path]:

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from specforge.target.compiled import register_projection
@@ -35,11 +34,6 @@ from specforge.target.compiled import register_projection
 __all__ = ["GROUP", "NativeWeightsError", "Q4Blocks", "Int4Projection", "read_q4", "use_native_weights"]
 
 GROUP = 32  # weights per block in Q4_0/Q4_1, and the kernel's group size
-
-# Above this many rows the kernel, which re-reads and re-decodes the blocks for every four rows,
-# is slower than decoding the blocks once to float32 and running one dense matmul (SmolLM2's
-# projections, 2 threads: 64 rows 118 ms through the kernel; see use_native_weights).
-DENSE_ROWS = 32
 
 
 class NativeWeightsError(ValueError):
@@ -93,20 +87,55 @@ def read_q4(tensor: Any) -> Q4Blocks | None:
     return Q4Blocks(torch.cat([packed & 15, packed >> 4], dim=-1).reshape(n, k), d, m)
 
 
+def bf16_scale_zero(blocks: Q4Blocks) -> Tensor:
+    """``[N, K / 32, 2]`` bf16 (scale, zero) per block for the kernel's ``(q - 8) * scale + zero``,
+    chosen among the bf16 neighbours of the best real pair to minimise the block's squared error
+    against the file's weights.  Rounding scale and zero separately to the nearest bf16 leaves a
+    shared offset on all 32 weights of a block (the zero's rounding, plus the scale's times the
+    block's mean level); picking the pair on the block's own codes cancels most of it (measured on
+    SmolLM2: mean KL to the float32 model 1.8e-3 with nearest rounding, see the closing note)."""
+    n, k = blocks.codes.shape
+    levels = blocks.codes.view(n, k // GROUP, GROUP).float() - 8
+    exact = levels * blocks.scale[..., None] + (blocks.offset + 8 * blocks.scale)[..., None]
+
+    def neighbours(x: Tensor) -> tuple[Tensor, Tensor]:
+        down = x.bfloat16().float()
+        step = torch.where(down > x, -1, 1)  # the other neighbour is one bf16 ulp away
+        other = (down.bfloat16().view(torch.int16) + torch.where(down < 0, -step, step).to(torch.int16))
+        return down, other.view(torch.bfloat16).float()
+
+    best_err = best_s = best_z = None
+    for s in neighbours(blocks.scale):
+        # for this scale, the zero that minimises the squared error is the mean residual
+        for z in neighbours((exact - levels * s[..., None]).mean(-1)):
+            err = ((levels * s[..., None] + z[..., None] - exact) ** 2).sum(-1)
+            if best_err is None:
+                best_err, best_s, best_z = err, s, z
+            else:
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+    return torch.stack([best_s, best_z], dim=-1).bfloat16()
+
+
 class Int4Projection:
-    """``y = x Wᵀ (+ b)`` over 4-bit blocks: torch's int4 kernel for the few rows of decoding and
-    verification, one dense float32 matmul over the decoded blocks for prefills.  The kernel's
-    rows do not depend on how many rows a call has (bit for bit, checked in the tests), so a
-    token's logits are the same alone or in a batch of up to :data:`DENSE_ROWS` rows."""
+    """``y = x Wᵀ (+ b)`` over 4-bit blocks through torch's int4 kernel, for every row count.
+
+    The kernel's output rows do not depend on how many rows a call has (bit for bit, checked in
+    the tests), so a token's projections are the same alone or in any batch.  Its cost grows
+    about linearly past four rows — it decodes the blocks again for every four — which makes
+    this a low-concurrency option (SmolLM2's projections, 2 threads: 1 row 6 ms, 16 rows 36 ms,
+    64 rows 118 ms, against ~25-30 ms for dense bf16 at any of those counts).  Decoding the blocks
+    to float32 for a dense matmul was tried for prefills and was slower still (a 200-token
+    prefill: 510 ms, the kernel 410 ms, dense bf16 110 ms)."""
 
     def __init__(self, blocks: Q4Blocks, bias: Tensor | None = None) -> None:
         self.out_features, self.in_features = blocks.codes.shape
         self.bias = bias
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.codes.int(), 1)
         # The kernel computes (q - 8) * scale + zero, reading [K / 32, N, 2] in bf16.
-        zero = blocks.offset + 8 * blocks.scale
-        self.scale_zero = torch.stack([blocks.scale, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
-        self.nibbles = blocks.codes[:, 0::2] | (blocks.codes[:, 1::2] << 4)  # for the dense path
+        self.scale_zero = bf16_scale_zero(blocks).transpose(0, 1).contiguous()
+        self.nibbles = blocks.codes[:, 0::2] | (blocks.codes[:, 1::2] << 4)  # for weight()
         self.key = register_projection(self)
 
     def weight(self) -> Tensor:
@@ -117,10 +146,7 @@ class Int4Projection:
         return ((codes.float() - 8) * scale[..., None] + zero[..., None]).view(n, k)
 
     def packed_linear(self, x: Tensor) -> Tensor:
-        if x.shape[0] > DENSE_ROWS:
-            y = F.linear(x.float(), self.weight()).to(x.dtype)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)
         return y if self.bias is None else y + self.bias
 
     def __call__(self, x: Tensor) -> Tensor:
