@@ -176,13 +176,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from specforge.profiling import measure_sps, plot_profile, profile_table
     from specforge.target import TargetModel
 
-    target = TargetModel.load(args.model, args.dtype)
+    target = TargetModel.load(args.model, args.dtype, compile=args.compile, weights=args.weights)
     profile, records = measure_sps(target, args.batches, context=args.context, requests=args.requests,
                                    reps=args.reps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     profile.save(out / "profile.json")
     (out / "timings.json").write_text(json.dumps({"model": args.model, "dtype": args.dtype,
+                                                  "weights": args.weights, "compiled": args.compile,
                                                   "context": args.context, "device": profile.device,
                                                   "records": records}, indent=2) + "\n")
     plot_profile(records, out / "profile.png", f"{args.model} ({args.dtype}), {profile.device}")
@@ -363,6 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--context", type=int, default=256, help="cached tokens per request")
     pf.add_argument("--requests", type=int, default=16, help="requests a batch is spread over (at most)")
     pf.add_argument("--reps", type=int, default=5, help="timed passes per B (the median is kept)")
+    pf.add_argument("--compile", action="store_true",
+                    help="measure the compiled forward (target.compile), whose curve has another shape")
+    pf.add_argument("--weights", choices=["dense", "native"], default="dense",
+                    help="measure with a GGUF's 4-bit blocks run natively (target.weights=native)")
     pf.add_argument("--out", default="runs/profile", help="output directory")
     pf.add_argument("--json", action="store_true", help="print the timings as JSON instead of the table")
     pf.set_defaults(func=cmd_profile)

@@ -51,13 +51,17 @@ class TargetModel:
         dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         if weights not in ("dense", "native"):
             raise ValueError(f"weights must be 'dense' or 'native', not {weights!r}")
-        hf_model, tokenizer = load_hf(model, torch.float32)
-        target = cls(hf_model, tokenizer, dtype, name=model)
-        if weights == "native":
+        if weights == "native":  # refused before the (slow) load when it cannot work
             directory, gguf = resolve_model(model)
             if gguf is None:
                 raise NativeWeightsError(f"{model}: native weights are a GGUF's own 4-bit blocks; "
                                          "this target is a safetensors directory (use weights=dense)")
+            if dtype != torch.bfloat16:
+                raise NativeWeightsError("native 4-bit weights need target.dtype=bfloat16 (torch's int4 "
+                                         f"kernel takes bf16 activations), not {str(dtype).removeprefix('torch.')}")
+        hf_model, tokenizer = load_hf(model, torch.float32)
+        target = cls(hf_model, tokenizer, dtype, name=model)
+        if weights == "native":
             with torch.no_grad():
                 target.weights = use_native_weights(target.runtime, hf_model, directory / gguf)
         if compile:
