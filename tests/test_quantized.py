@@ -15,7 +15,7 @@ from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
 from specforge.target import TargetModel
 from specforge.target.batch import VarlenBatch
-from specforge.target.quantized import Int4Projection, NativeWeightsError, read_q4, use_native_weights
+from specforge.target.quantized import KERNEL_ROWS, Int4Projection, NativeWeightsError, read_q4, use_native_weights
 
 Q4 = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
 
@@ -114,12 +114,19 @@ def test_native_projection_matches_its_dense_weights(native):
 
 
 def test_a_tokens_row_does_not_depend_on_the_batch(native):
+    # Within the kernel's range bit for bit; bigger passes go through the dense bf16 copy, whose
+    # weights are the kernel's rounded to bf16: within the bf16 rounding of the output.
     proj = native[2].runtime.layers[0].qkv_proj
     torch.manual_seed(1)
     x = torch.randn(70, proj.in_features).bfloat16()
-    full = proj(x)
-    for rows in (1, 2, 5, 8, 16, 33):
-        assert torch.equal(proj(x[:rows]), full[:rows])
+    alone = torch.cat([proj(x[i:i + 1]) for i in range(70)])
+    for rows in range(2, KERNEL_ROWS + 1):
+        assert torch.equal(proj(x[:rows]), alone[:rows])
+    assert proj.dense is not None  # oneDNN is in every CPU build of torch the project supports
+    exact = x.float() @ proj.weight().T
+    err_kernel = (alone.float() - exact).abs().max().item()
+    err_dense = (proj(x).float() - exact).abs().max().item()
+    assert err_dense <= 2 * err_kernel and err_dense <= exact.abs().max().item() * 2**-7
 
 
 def test_native_weights_stay_close_to_the_file(native):

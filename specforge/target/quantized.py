@@ -33,10 +33,12 @@ from torch import Tensor
 
 from specforge.target.compiled import register_projection
 from specforge.target.loading import TargetLoadError
+from specforge.target.model import PACK_ROWS
 
-__all__ = ["GROUP", "NativeWeightsError", "Q4Blocks", "Int4Projection", "read_q4", "use_native_weights"]
+__all__ = ["GROUP", "KERNEL_ROWS", "NativeWeightsError", "Q4Blocks", "Int4Projection", "read_q4", "use_native_weights"]
 
 GROUP = 32  # weights per block in Q4_0/Q4_1, and the kernel's group size
+KERNEL_ROWS = 8  # passes up to this many rows use the int4 kernel (see Int4Projection)
 
 
 class NativeWeightsError(TargetLoadError):
@@ -123,15 +125,21 @@ def bf16_scale_zero(blocks: Q4Blocks) -> Tensor:
 
 
 class Int4Projection:
-    """``y = x Wᵀ (+ b)`` over 4-bit blocks through torch's int4 kernel, for every row count.
+    """``y = x Wᵀ (+ b)`` over 4-bit blocks: torch's int4 kernel for passes of up to
+    :data:`KERNEL_ROWS` rows (decoding and verifying a few requests), oneDNN over a dense bf16
+    copy of the same weights for bigger ones (prefills, many requests).
 
-    The kernel's output rows do not depend on how many rows a call has (bit for bit, checked in
-    the tests), so a token's projections are the same alone or in any batch.  Its cost grows
-    about linearly past four rows — it decodes the blocks again for every four — which makes
-    this a low-concurrency option (SmolLM2's projections, 2 threads: 1 row 6 ms, 16 rows 36 ms,
-    64 rows 118 ms, against ~25-30 ms for dense bf16 at any of those counts).  Decoding the blocks
-    to float32 for a dense matmul was tried for prefills and was slower still (a 200-token
-    prefill: 510 ms, the kernel 410 ms, dense bf16 110 ms)."""
+    The kernel decodes the blocks in registers and reads 3x fewer bytes than dense bf16, but it
+    decodes them again for every four rows, so its cost grows with the rows while a bf16 matmul's
+    stays flat until the pass is compute-bound.  SmolLM2's projections, 2 threads: 1 row 6-9 ms
+    through the kernel against 26 ms dense, 8 rows about even (19-31 vs 27), 64 rows 131 vs 29,
+    a 200-token prefill's 422 vs 88.  The dense copy holds the kernel's weights rounded once
+    more, to bf16 — a difference below the bf16 rounding of the output (tested) — so a pass's
+    rows come out as from one model whatever path it takes, to a few bf16 ulps.  Within the
+    kernel's range a token's projections do not depend on the rows beside it, bit for bit.
+    Holding both costs about 3 bytes a weight, less than the dense runtime's 4 (its bf16 weights
+    and their oneDNN-packed copy).
+    """
 
     def __init__(self, blocks: Q4Blocks, bias: Tensor | None = None) -> None:
         self.out_features, self.in_features = blocks.codes.shape
@@ -140,6 +148,12 @@ class Int4Projection:
         # The kernel computes (q - 8) * scale + zero, reading [K / 32, N, 2] in bf16.
         self.scale_zero = bf16_scale_zero(blocks).transpose(0, 1).contiguous()
         self.nibbles = blocks.codes[:, 0::2] | (blocks.codes[:, 1::2] << 4)  # for weight()
+        self.dense = None
+        if torch.backends.mkldnn.is_available():
+            try:
+                self.dense = torch.ops.mkldnn._reorder_linear_weight(self.weight().bfloat16(), PACK_ROWS)
+            except (RuntimeError, AttributeError):  # a build without the op: the kernel for every pass
+                self.dense = None
         self.key = register_projection(self)
 
     def weight(self) -> Tensor:
@@ -150,6 +164,8 @@ class Int4Projection:
         return ((codes.float() - 8) * scale[..., None] + zero[..., None]).view(n, k)
 
     def packed_linear(self, x: Tensor) -> Tensor:
+        if x.shape[0] > KERNEL_ROWS and self.dense is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.bias, "none", [], "")
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)
         return y if self.bias is None else y + self.bias
 
