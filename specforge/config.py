@@ -79,15 +79,15 @@ class TargetConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     compile: bool = Field(
         False,
-        description="run the target's passes through torch.compile (fused norms/rotary/residuals, "
-        "weights packed by inductor; attention stays the eager varlen kernel): faster steps after "
-        "about a minute of compilation per pass shape; needs a C++ compiler on CPU, else eager",
+        description="run the target's passes through torch.compile (fused norms/rotary/residuals "
+        "and decode attention; the pre-packed projections stay outside it): faster steps after "
+        "a minute or two of compilation; needs a C++ compiler on CPU, else eager",
     )
     weights: Literal["dense", "native"] = Field(
         "dense",
         description="'native' runs a GGUF target's Q4_0/Q4_1 projections on their 4-bit blocks "
-        "(torch's int4 kernel, bf16 activations) instead of dense bf16 copies: ~3x fewer bytes a "
-        "decoding step, slightly different rounding (block scales in bf16 rather than weights); "
+        "(torch's int4 kernel, bf16 activations) for passes of up to 8 rows, a bf16 copy of the "
+        "same weights for bigger ones: ~3x fewer bytes a decoding step at one or a few requests; "
         "GGUF targets and dtype=bfloat16 only",
     )
 
