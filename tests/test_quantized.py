@@ -15,7 +15,7 @@ from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
 from specforge.target import TargetModel
 from specforge.target.batch import VarlenBatch
-from specforge.target.quantized import KERNEL_ROWS, Int4Projection, NativeWeightsError, read_q4, use_native_weights
+from specforge.target.quantized import KERNEL_ROWS, Int4Projection, Q8Projection, NativeWeightsError, read_q4, use_native_weights
 
 Q4 = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
 
@@ -25,9 +25,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, model, kinds: dict[str, gguf.GGMLQuantizationType]) -> None:
+def _write_gguf(path, model, kinds: dict[str, gguf.GGMLQuantizationType],
+                head: gguf.GGMLQuantizationType | None = gguf.GGMLQuantizationType.Q8_0) -> None:
     """Quantize ``model``'s layer projections into a GGUF at ``path`` (``kinds``: by GGUF tensor
-    suffix, default Q4_1) and give ``model`` the weights the file decodes to."""
+    suffix, default Q4_1; ``head``: the tied embedding's type, None to leave it out) and give
+    ``model`` the weights the file decodes to."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch="llama")
     for i, layer in enumerate(model.model.layers):
@@ -45,6 +47,12 @@ def _write_gguf(path, model, kinds: dict[str, gguf.GGMLQuantizationType]) -> Non
             decoded = gguf.quants.dequantize(data, kind) if kind in Q4.values() else stored
             with torch.no_grad():
                 linear.weight.copy_(torch.from_numpy(_unpermute(decoded, heads) if heads else decoded))
+    if head is not None:  # the tied embedding / LM head
+        embed = model.model.embed_tokens.weight
+        data = gguf.quants.quantize(embed.detach().numpy().astype(np.float32), head)
+        writer.add_tensor("token_embd.weight", data, raw_dtype=head)
+        with torch.no_grad():
+            embed.copy_(torch.from_numpy(gguf.quants.dequantize(data, head)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -93,15 +101,15 @@ def test_other_types_stay_dense(tmp_path):
     target = TargetModel(model, None, torch.bfloat16)
     with torch.no_grad():
         counts = use_native_weights(target.runtime, model, path)
-    # per layer: qkv (v is F32) and down stay dense, o and gate/up run natively
-    assert counts == {"native": 2 * 3, "dense": 2 * 3}
+    # per layer: qkv (v is F32) and down stay dense, o and gate/up run natively; the head natively
+    assert counts == {"native": 2 * 3 + 1, "dense": 2 * 3}
     layer = target.runtime.layers[0]
     assert isinstance(layer.o_proj, Int4Projection) and not isinstance(layer.qkv_proj, Int4Projection)
 
 
 def test_native_projection_matches_its_dense_weights(native):
     _, _, quant, counts, _ = native
-    assert counts == {"native": 4 * 3, "dense": 0}
+    assert counts == {"native": 4 * 3 + 1, "dense": 0}
     proj = quant.runtime.layers[1].up_proj
     torch.manual_seed(0)
     x = torch.randn(40, proj.in_features).bfloat16()
@@ -239,7 +247,7 @@ def test_the_pipeline_config_has_the_switch():
 
 def test_the_embedded_smollm2_runs_natively_and_close_to_float32():
     target = TargetModel.load("smollm2", "bfloat16", weights="native")
-    assert target.weights == {"native": 4 * target.args.n_layers, "dense": 0}
+    assert target.weights == {"native": 4 * target.args.n_layers + 1, "dense": 0}
     ids = target.encode("Write a Python function that reverses a list.")
     exact = target.reference_logits(ids)  # the float32 HF forward of the same file
     got = target.forward(VarlenBatch.build([ids], [0], [0]), target.new_cache(1, len(ids)),
@@ -317,3 +325,58 @@ def test_native_weights_in_float32_are_refused_before_loading(monkeypatch):
     monkeypatch.setattr(adapter, "load_hf", no_load)
     with pytest.raises(NativeWeightsError, match="dtype=bfloat16.*not float32"):
         TargetModel.load("smollm2", "float32", weights="native")
+
+
+def test_profile_cli_measures_the_native_target(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "prof"
+    r = subprocess.run([sys.executable, "-m", "specforge", "profile", "--weights", "native", "--batches", "1", "12",
+                        "--context", "16", "--requests", "2", "--reps", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    timings = json.loads((out / "timings.json").read_text())
+    assert timings["weights"] == "native" and timings["compiled"] is False
+    assert [rec["batch"] for rec in timings["records"]] == [1, 12]
+
+
+@pytest.mark.parametrize("head", ["Q8_0", "Q4_1", None])
+def test_the_lm_head_runs_natively_when_the_file_allows(tmp_path, head):
+    kind = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_1": Q4["Q4_1"], None: None}[head]
+    model = tiny_model("llama")
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, model, {}, head=kind)
+    target = TargetModel(model, None, torch.bfloat16)
+    with torch.no_grad():
+        counts = use_native_weights(target.runtime, model, path)
+    proj = target.runtime.head_projection
+    assert counts["dense"] == (1 if head is None else 0)
+    expected_type = {"Q8_0": Q8Projection, "Q4_1": Int4Projection, None: type(proj)}[head]
+    assert isinstance(proj, expected_type)
+    if head is None:
+        return
+    exact_head = model.get_output_embeddings().weight.detach().float()
+    torch.manual_seed(2)
+    x = torch.randn(2, 5, exact_head.shape[1]).bfloat16()  # drafters project [B, S, d]
+    exact = x.float() @ exact_head.T
+    scale = exact.abs().max().item()
+    for rows in (x[:1, :1], x[:1], x):  # 1 and 5 rows through the kernel, 10 through the bf16 copy
+        got = proj(rows).float()
+        assert got.shape == (*rows.shape[:-1], exact_head.shape[0])
+        assert (got - exact[: rows.shape[0], : rows.shape[1]]).abs().max().item() < scale * 2**-6
+    alone = torch.cat([proj(x[0, i:i + 1]) for i in range(5)])
+    assert torch.equal(proj(x[0]), alone)  # a row's logits do not depend on the rows beside it
+
+
+def test_a_wrong_lm_head_is_refused(tmp_path):
+    model = tiny_model("llama")
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, model, {})
+    with torch.no_grad():
+        model.model.embed_tokens.weight[7, 3] += 0.5
+    target = TargetModel(model, None, torch.bfloat16)
+    with pytest.raises(NativeWeightsError, match="token_embd.weight.*LM head"):
+        with torch.no_grad():
+            use_native_weights(target.runtime, model, path)

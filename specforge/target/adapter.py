@@ -40,7 +40,7 @@ class TargetModel:
             self.runtime = Transformer(self.args, hf_model, dtype).eval()
         self.eos_ids = self._eos_ids(hf_model, tokenizer)
         # projections running natively on 4-bit blocks vs dense (see load(weights="native"))
-        self.weights = {"native": 0, "dense": 4 * self.args.n_layers}
+        self.weights = {"native": 0, "dense": 4 * self.args.n_layers + 1}  # + the LM head
 
     @classmethod
     def load(cls, model: str = "smollm2", dtype: str | torch.dtype = "bfloat16",

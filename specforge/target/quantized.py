@@ -14,11 +14,12 @@ the same file, about equally close to it (:mod:`specforge.bench.fidelity` measur
 ``specforge bench engine --weights native`` reports it).  Speculative decoding stays lossless with
 respect to whichever one the engine runs.
 
-Only Q4_0 and Q4_1 projections run natively; a projection stored in any other type, split across
-types, or with a row count the kernel cannot pack (it needs a multiple of 16) stays dense.  Every
-native projection is checked at load against the weights transformers decoded from the same file
-— bit for bit in float32 — so a wrong tensor name or row order is an error naming the tensor,
-never a silently different model.
+Layer projections stored as Q4_0 or Q4_1 run natively, and so does the LM head stored as Q4_0,
+Q4_1 or Q8_0 (as two 4-bit halves, :class:`Q8Projection`); a matrix stored in any other type,
+split across types, or with a row count the kernel cannot pack (it needs a multiple of 16) stays
+dense.  Every native matrix is checked at load against the weights transformers decoded from the
+same file — bit for bit in float32 — so a wrong tensor name or row order is an error naming the
+tensor, never a silently different model.
 """
 
 from __future__ import annotations
@@ -164,15 +165,72 @@ class Int4Projection:
         return ((codes.float() - 8) * scale[..., None] + zero[..., None]).view(n, k)
 
     def packed_linear(self, x: Tensor) -> Tensor:
-        if x.shape[0] > KERNEL_ROWS and self.dense is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.bias, "none", [], "")
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)
-        return y if self.bias is None else y + self.bias
+        rows = x.reshape(-1, x.shape[-1])  # drafters project [B, S, d] through the target's head
+        if rows.shape[0] > KERNEL_ROWS and self.dense is not None:
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.dense, self.bias, "none", [], "")
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
+            y = y if self.bias is None else y + self.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def __call__(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.specforge.linear(x, self.key)
         return self.packed_linear(x)
+
+
+def read_q8(tensor: Any) -> tuple[Tensor, Tensor] | None:
+    """``(codes [N, K] int8, scale [N, K // 32] float32)`` of a GGUF tensor stored as Q8_0
+    (blocks of fp16 d and 32 int8 codes; the weight is ``d * q``); ``None`` for any other type."""
+    import gguf
+
+    if tensor.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+        return None
+    k, n = (int(s) for s in tensor.shape[:2])
+    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)).view(n, k // GROUP, 34)
+    scale = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+    return raw[..., 2:].contiguous().view(torch.int8).reshape(n, k), scale
+
+
+class Q8Projection:
+    """A Q8_0 matrix (SmolLM2's tied embedding and LM head) through the same int4 kernel, as two
+    4-bit halves: ``q = 16 h + l`` with ``h = q >> 4`` in -8..7 and ``l = q & 15``, so
+    ``d q = (h + 8 - 8) · 16d + (l - 8) · d + 8d`` — two kernel calls whose outputs add up, reading
+    1.1 bytes a weight instead of bf16's 2.  The scale is rounded to bf16 (``16d`` and ``8d`` are
+    then exact too).  Passes of more than :data:`KERNEL_ROWS` rows use a bf16 copy, as
+    :class:`Int4Projection` does; the kernel path returns float32 (the sum of two bf16 outputs)."""
+
+    def __init__(self, codes: Tensor, scale: Tensor) -> None:
+        self.out_features, self.in_features = codes.shape
+        s = scale.bfloat16()
+        zero = torch.zeros_like(s)
+        self.halves = [
+            (torch.ops.aten._convert_weight_to_int4pack_for_cpu(((codes >> 4) + 8).int(), 1),
+             torch.stack([s * 16, zero], dim=-1).transpose(0, 1).contiguous()),
+            (torch.ops.aten._convert_weight_to_int4pack_for_cpu((codes & 15).int(), 1),
+             torch.stack([s, s * 8], dim=-1).transpose(0, 1).contiguous()),
+        ]
+        self.codes, self.scale = codes, s
+        self.dense = None
+        if torch.backends.mkldnn.is_available():
+            try:
+                self.dense = torch.ops.mkldnn._reorder_linear_weight(self.weight().bfloat16(), PACK_ROWS)
+            except (RuntimeError, AttributeError):
+                self.dense = None
+
+    def weight(self) -> Tensor:
+        """``[N, K]`` float32: the weights the two kernel calls compute with."""
+        n, k = self.codes.shape
+        return (self.codes.view(n, k // GROUP, GROUP).float() * self.scale.float()[..., None]).view(n, k)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if rows.shape[0] > KERNEL_ROWS and self.dense is not None:
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.dense, None, "none", [], "")
+        else:
+            y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, GROUP, sz).float()
+                    for packed, sz in self.halves)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 # projection attribute of a runtime Layer -> the dense weight parameter it was built from
@@ -187,8 +245,8 @@ def _unpermute_rows(n_rows: int, n_head: int) -> Tensor:
 
 
 def use_native_weights(runtime: Any, hf_model: Any, gguf_path: Path) -> dict[str, int]:
-    """Swap ``runtime``'s layer projections for :class:`Int4Projection` over ``gguf_path``'s blocks
-    where the file stores them as Q4_0/Q4_1.  Returns counts of native and dense projections."""
+    """Swap ``runtime``'s layer projections and LM head for native ones over ``gguf_path``'s
+    blocks where the file's types allow.  Returns counts of native and dense matrices."""
     import gguf
 
     if runtime.dtype != torch.bfloat16:
@@ -235,4 +293,30 @@ def use_native_weights(runtime: Any, hf_model: Any, gguf_path: Path) -> dict[str
             setattr(layer, attr, Int4Projection(Q4Blocks.cat(blocks), bias))
             setattr(layer, DENSE_WEIGHT[attr], None)  # the dense bf16 copy is no longer read
             counts["native"] += 1
+    _native_head(runtime, hf_model, tensors, gguf_path, counts)
     return counts
+
+
+def _native_head(runtime: Any, hf_model: Any, tensors: dict[str, Any], gguf_path: Path,
+                 counts: dict[str, int]) -> None:
+    # The LM head: "output.weight", or the tied "token_embd.weight" when the file has none.  The
+    # embedding lookups keep the dense table (a row gather reads next to nothing).
+    name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    found = tensors.get(name)
+    hf_head = hf_model.get_output_embeddings().weight.detach().float()
+    head: Int4Projection | Q8Projection | None = None
+    if found is not None and hf_head.shape[0] % 16 == 0:
+        blocks, q8 = read_q4(found), read_q8(found)
+        if blocks is not None:
+            decoded = blocks.dequantized()
+        elif q8 is not None:
+            n, k = q8[0].shape
+            decoded = (q8[0].view(n, k // GROUP, GROUP).float() * q8[1][..., None]).view(n, k)
+        if blocks is not None or q8 is not None:
+            if not torch.equal(decoded, hf_head):
+                raise NativeWeightsError(f"{gguf_path.name}: {name} decoded natively differs from the LM head "
+                                         "transformers loaded; refusing to run a different model")
+            head = Int4Projection(blocks) if blocks is not None else Q8Projection(*q8)
+    counts["native" if head is not None else "dense"] += 1
+    if head is not None:
+        runtime.head_projection = head
