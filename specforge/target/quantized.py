@@ -36,7 +36,8 @@ from specforge.target.compiled import register_projection
 from specforge.target.loading import TargetLoadError
 from specforge.target.model import PACK_ROWS
 
-__all__ = ["GROUP", "HEAD_KERNEL_ROWS", "KERNEL_ROWS", "NativeWeightsError", "Q4Blocks", "Int4Projection", "read_q4", "use_native_weights"]
+__all__ = ["GROUP", "HEAD_KERNEL_ROWS", "KERNEL_ROWS", "Int4Projection", "NativeWeightsError", "Q4Blocks",
+           "Q8Projection", "bf16_scale_zero", "read_q4", "read_q8", "use_native_weights"]
 
 GROUP = 32  # weights per block in Q4_0/Q4_1, and the kernel's group size
 KERNEL_ROWS = 8  # passes up to this many rows use the int4 kernel (see Int4Projection)
