@@ -15,7 +15,15 @@ from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
 from specforge.target import TargetModel
 from specforge.target.batch import VarlenBatch
-from specforge.target.quantized import HEAD_KERNEL_ROWS, KERNEL_ROWS, Int4Projection, Q8Projection, NativeWeightsError, read_q4, use_native_weights
+from specforge.target.quantized import (
+    HEAD_KERNEL_ROWS,
+    KERNEL_ROWS,
+    Int4Projection,
+    NativeWeightsError,
+    Q8Projection,
+    read_q4,
+    use_native_weights,
+)
 
 Q4 = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
 

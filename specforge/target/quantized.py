@@ -136,9 +136,10 @@ class Int4Projection:
     decodes them again for every four rows, so its cost grows with the rows while a bf16 matmul's
     stays flat until the pass is compute-bound.  SmolLM2's 120 layer projections, 2 threads
     (``scripts/native_rows.py``): 1 row 6.0 ms through the kernel against 17.5 ms dense, 4 rows
-    9.9 vs 21.4, 8 rows 17.7 vs 21.9, 16 rows 32.2 vs 20.9, 64 rows 114 vs 19.  The dense copy holds the kernel's weights rounded once
-    more, to bf16 — a difference below the bf16 rounding of the output (tested) — so a pass's
-    rows come out as from one model whatever path it takes, to a few bf16 ulps.  Within the
+    9.9 vs 21.4, 8 rows 17.7 vs 21.9, 16 rows 32.2 vs 20.9, 64 rows 114 vs 19.  The dense copy
+    holds the kernel's weights rounded once more, to bf16 — a difference below the bf16 rounding
+    of the output (tested) — so a pass's rows come out as from one model whatever path it takes,
+    to a few bf16 ulps.  Within the
     kernel's range a token's projections do not depend on the rows beside it, bit for bit.
     Holding both costs about 3 bytes a weight, less than the dense runtime's 4 (its bf16 weights
     and their oneDNN-packed copy).
