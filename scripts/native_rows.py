@@ -17,6 +17,7 @@ import time
 import torch
 
 from specforge.target import TargetModel
+from specforge.target.model import onednn_linear
 from specforge.target.quantized import GROUP, Int4Projection, Q8Projection
 
 
@@ -29,7 +30,7 @@ def _kernel(proj: Int4Projection | Q8Projection, x: torch.Tensor) -> None:
 
 
 def _dense(proj: Int4Projection | Q8Projection, x: torch.Tensor) -> None:
-    torch.ops.mkldnn._linear_pointwise(x, proj.dense, None, "none", [], "")
+    onednn_linear(x, proj.dense)
 
 
 def main() -> None:

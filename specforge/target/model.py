@@ -57,6 +57,23 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 PACK_ROWS = 16
 
 
+def pack_for_onednn(weight: Tensor) -> Tensor | None:
+    """``weight`` in oneDNN's blocked layout for :data:`PACK_ROWS` rows, or ``None`` where oneDNN
+    cannot take it (not a bf16/fp16 CPU weight, or a build without the op)."""
+    if not (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+            and torch.backends.mkldnn.is_available()):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+    except (RuntimeError, AttributeError):  # a build without the op
+        return None
+
+
+def onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x Wᵀ (+ b)`` over a weight from :func:`pack_for_onednn`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Projection:
     """``y = x Wᵀ (+ b)`` with the weight pre-packed for oneDNN when that is faster.
 
@@ -70,18 +87,12 @@ class Projection:
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
         self.out_features = weight.shape[0]
-        self.packed = None
-        if (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
-                and torch.backends.mkldnn.is_available()):
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
-            except (RuntimeError, AttributeError):  # a build without the op: stay on F.linear
-                self.packed = None
+        self.packed = pack_for_onednn(weight)  # None: stay on F.linear
         # torch.compile reaches the packed weight through an opaque op (see target.compiled)
         self.key = register_projection(self) if self.packed is not None else -1
 
     def packed_linear(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return onednn_linear(x, self.packed, self.bias)
 
     def __call__(self, x: Tensor) -> Tensor:
         # Branch on the int key, not on `self.packed`: traced, the opaque packed tensor would

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from specforge.target.compiled import register_projection
 from specforge.target.loading import TargetLoadError
-from specforge.target.model import PACK_ROWS
+from specforge.target.model import onednn_linear, pack_for_onednn
 
 __all__ = ["GROUP", "HEAD_KERNEL_ROWS", "KERNEL_ROWS", "Int4Projection", "NativeWeightsError", "Q4Blocks",
            "Q8Projection", "bf16_scale_zero", "read_q4", "read_q8", "use_native_weights"]
@@ -71,6 +71,18 @@ class Q4Blocks:
         return Q4Blocks(self.codes[index], self.scale[index], self.offset[index])
 
 
+def _raw_blocks(tensor: Any, block_bytes: int) -> Tensor:
+    """A quantized GGUF tensor's bytes as ``[N, K / 32, block_bytes]`` uint8 (a copy: the reader's
+    memory map is read-only).  GGUF lists the contiguous dimension first."""
+    k, n = (int(s) for s in tensor.shape[:2])
+    return torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)).view(n, k // GROUP, block_bytes)
+
+
+def _fp16(pair: Tensor) -> Tensor:
+    """``[..., 2]`` little-endian bytes of fp16 values → float32 ``[...]``."""
+    return pair.contiguous().view(torch.float16).float()[..., 0]
+
+
 def read_q4(tensor: Any) -> Q4Blocks | None:
     """Decode a GGUF tensor (``gguf.ReaderTensor``) stored as Q4_0 or Q4_1; ``None`` for any other
     type.  Blocks: fp16 d, (Q4_1: fp16 m,) 16 bytes of codes — low nibbles are weights 0-15,
@@ -80,16 +92,14 @@ def read_q4(tensor: Any) -> Q4Blocks | None:
     kind = tensor.tensor_type
     if kind not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
         return None
-    k, n = (int(s) for s in tensor.shape[:2])  # GGUF lists the contiguous dimension first
-    if k % GROUP:
-        return None
     block = 18 if kind == gguf.GGMLQuantizationType.Q4_0 else 20
-    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)).view(n, k // GROUP, block)
-    d = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+    raw = _raw_blocks(tensor, block)
+    n, k = raw.shape[0], raw.shape[1] * GROUP
+    d = _fp16(raw[..., 0:2])
     if block == 18:
         m, packed = -8 * d, raw[..., 2:]
     else:
-        m, packed = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0], raw[..., 4:]
+        m, packed = _fp16(raw[..., 2:4]), raw[..., 4:]
     # Q4_0's d * (q - 8) as d * q + (-8 d): both products are exact in float32, and so is their
     # sum (it equals the exact d * (q - 8)), so this is the file's value bit for bit.
     return Q4Blocks(torch.cat([packed & 15, packed >> 4], dim=-1).reshape(n, k), d, m)
@@ -152,12 +162,7 @@ class Int4Projection:
         # The kernel computes (q - 8) * scale + zero, reading [K / 32, N, 2] in bf16.
         self.scale_zero = bf16_scale_zero(blocks).transpose(0, 1).contiguous()
         self.nibbles = blocks.codes[:, 0::2] | (blocks.codes[:, 1::2] << 4)  # for weight()
-        self.dense = None
-        if torch.backends.mkldnn.is_available():
-            try:
-                self.dense = torch.ops.mkldnn._reorder_linear_weight(self.weight().bfloat16(), PACK_ROWS)
-            except (RuntimeError, AttributeError):  # a build without the op: the kernel for every pass
-                self.dense = None
+        self.dense = pack_for_onednn(self.weight().bfloat16())  # None: the kernel for every pass
         self.key = register_projection(self)
 
     def weight(self) -> Tensor:
@@ -170,7 +175,7 @@ class Int4Projection:
     def packed_linear(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])  # drafters project [B, S, d] through the target's head
         if rows.shape[0] > KERNEL_ROWS and self.dense is not None:
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.dense, self.bias, "none", [], "")
+            y = onednn_linear(rows, self.dense, self.bias)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
             y = y if self.bias is None else y + self.bias
@@ -189,10 +194,14 @@ def read_q8(tensor: Any) -> tuple[Tensor, Tensor] | None:
 
     if tensor.tensor_type != gguf.GGMLQuantizationType.Q8_0:
         return None
-    k, n = (int(s) for s in tensor.shape[:2])
-    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)).view(n, k // GROUP, 34)
-    scale = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
-    return raw[..., 2:].contiguous().view(torch.int8).reshape(n, k), scale
+    raw = _raw_blocks(tensor, 34)
+    return raw[..., 2:].contiguous().view(torch.int8).reshape(raw.shape[0], -1), _fp16(raw[..., 0:2])
+
+
+def _scaled(codes: Tensor, scale: Tensor) -> Tensor:
+    """``[N, K]`` float32 ``codes * scale`` with one scale per block of 32 (Q8_0's weights)."""
+    n, k = codes.shape
+    return (codes.view(n, k // GROUP, GROUP).float() * scale.float()[..., None]).view(n, k)
 
 
 class Q8Projection:
@@ -217,22 +226,16 @@ class Q8Projection:
              torch.stack([s, s * 8], dim=-1).transpose(0, 1).contiguous()),
         ]
         self.codes, self.scale = codes, s
-        self.dense = None
-        if torch.backends.mkldnn.is_available():
-            try:
-                self.dense = torch.ops.mkldnn._reorder_linear_weight(self.weight().bfloat16(), PACK_ROWS)
-            except (RuntimeError, AttributeError):
-                self.dense = None
+        self.dense = pack_for_onednn(self.weight().bfloat16())
 
     def weight(self) -> Tensor:
         """``[N, K]`` float32: the weights the two kernel calls compute with."""
-        n, k = self.codes.shape
-        return (self.codes.view(n, k // GROUP, GROUP).float() * self.scale.float()[..., None]).view(n, k)
+        return _scaled(self.codes, self.scale)
 
     def __call__(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         if rows.shape[0] > HEAD_KERNEL_ROWS and self.dense is not None:
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.dense, None, "none", [], "")
+            y = onednn_linear(rows, self.dense)
         else:
             y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, GROUP, sz).float()
                     for packed, sz in self.halves)
@@ -313,12 +316,8 @@ def _native_head(runtime: Any, hf_model: Any, tensors: dict[str, Any], gguf_path
     head: Int4Projection | Q8Projection | None = None
     if found is not None and hf_head.shape[0] % 16 == 0:
         blocks, q8 = read_q4(found), read_q8(found)
-        if blocks is not None:
-            decoded = blocks.dequantized()
-        elif q8 is not None:
-            n, k = q8[0].shape
-            decoded = (q8[0].view(n, k // GROUP, GROUP).float() * q8[1][..., None]).view(n, k)
         if blocks is not None or q8 is not None:
+            decoded = blocks.dequantized() if blocks is not None else _scaled(*q8)
             if not torch.equal(decoded, hf_head):
                 raise NativeWeightsError(f"{gguf_path.name}: {name} decoded natively differs from the LM head "
                                          "transformers loaded; refusing to run a different model")
