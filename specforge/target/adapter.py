@@ -13,7 +13,7 @@ from specforge.target.batch import VarlenBatch
 from specforge.target.cache import KVCache
 from specforge.target.loading import load_hf, resolve_model
 from specforge.target.model import ForwardOutput, Transformer
-from specforge.target.quantized import NativeWeightsError, use_native_weights
+from specforge.target.quantized import NativeWeightsError, require_bfloat16, use_native_weights
 
 __all__ = ["TargetModel"]
 
@@ -56,9 +56,7 @@ class TargetModel:
             if gguf is None:
                 raise NativeWeightsError(f"{model}: native weights are a GGUF's own 4-bit blocks; "
                                          "this target is a safetensors directory (use weights=dense)")
-            if dtype != torch.bfloat16:
-                raise NativeWeightsError("native 4-bit weights need target.dtype=bfloat16 (torch's int4 "
-                                         f"kernel takes bf16 activations), not {str(dtype).removeprefix('torch.')}")
+            require_bfloat16(dtype)
         hf_model, tokenizer = load_hf(model, torch.float32)
         target = cls(hf_model, tokenizer, dtype, name=model)
         if weights == "native":

@@ -37,7 +37,7 @@ from specforge.target.loading import TargetLoadError
 from specforge.target.model import onednn_linear, pack_for_onednn
 
 __all__ = ["GROUP", "HEAD_KERNEL_ROWS", "KERNEL_ROWS", "Int4Projection", "NativeWeightsError", "Q4Blocks",
-           "Q8Projection", "bf16_scale_zero", "read_q4", "read_q8", "use_native_weights"]
+           "Q8Projection", "bf16_scale_zero", "read_q4", "read_q8", "require_bfloat16", "use_native_weights"]
 
 GROUP = 32  # weights per block in Q4_0/Q4_1, and the kernel's group size
 KERNEL_ROWS = 8  # passes up to this many rows use the int4 kernel (see Int4Projection)
@@ -253,14 +253,19 @@ def _unpermute_rows(n_rows: int, n_head: int) -> Tensor:
     return torch.arange(n_rows).view(n_head, dim, 2).transpose(1, 2).reshape(n_rows)
 
 
+def require_bfloat16(dtype: torch.dtype) -> None:
+    """Refuse any other dtype: torch's int4 kernel takes bf16 activations."""
+    if dtype != torch.bfloat16:
+        raise NativeWeightsError("native 4-bit weights need target.dtype=bfloat16 (torch's int4 kernel "
+                                 f"takes bf16 activations), not {str(dtype).removeprefix('torch.')}")
+
+
 def use_native_weights(runtime: Any, hf_model: Any, gguf_path: Path) -> dict[str, int]:
     """Swap ``runtime``'s layer projections and LM head for native ones over ``gguf_path``'s
     blocks where the file's types allow.  Returns counts of native and dense matrices."""
     import gguf
 
-    if runtime.dtype != torch.bfloat16:
-        raise NativeWeightsError(f"native 4-bit weights need target.dtype=bfloat16 (torch's int4 kernel "
-                                 f"takes bf16 activations), not {str(runtime.dtype).removeprefix('torch.')}")
+    require_bfloat16(runtime.dtype)
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") or runtime.embed.device.type != "cpu":
         raise NativeWeightsError("native 4-bit weights need torch's CPU int4 kernel "
                                  "(aten._weight_int4pack_mm_for_cpu) and a CPU target")
