@@ -22,6 +22,7 @@ from torch import Tensor
 
 from specforge import hookimpl
 from specforge.components import CalibrationData
+from specforge.errors import SpecforgeError
 from specforge.metrics import batched_ece, calibration_report, survival_outcomes
 
 __all__ = [
@@ -42,7 +43,7 @@ EPS = 1e-6
 _CHUNK = 1 << 22
 
 
-class CalibratorFileError(ValueError):
+class CalibratorFileError(SpecforgeError, ValueError):
     """A calibrator file that cannot be loaded (wrong calibrator, bad shapes, not safetensors)."""
 
 

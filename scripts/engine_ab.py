@@ -27,7 +27,7 @@ import torch
 
 from specforge.bench.engine_bench import _engine
 from specforge.bench.hf_baseline import load_smollm2, run_generate
-from specforge.bench.prompts import apply_chat_template, select_prompts
+from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.engine import GenerationRequest
 from specforge.target import TargetModel
 

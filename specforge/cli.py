@@ -17,12 +17,13 @@ from rich.table import Table
 
 from specforge import __version__
 from specforge.config import ConfigError, load_pipeline, preset_names
-from specforge.plugins import PluginError, get_host
+from specforge.errors import SpecforgeError
+from specforge.plugins import get_host
 from specforge.profiling import DEFAULT_BATCHES
-from specforge.target import TargetLoadError, UnsupportedModelError
 from specforge.registry import ComponentKind
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # the shell's convention for SIGINT
 
 
 def _meta_summary(meta: dict) -> str:
@@ -221,7 +222,8 @@ def _eval_settings(args: argparse.Namespace, **more: Any):
     from specforge.evaluation import EvalSettings
 
     return EvalSettings(datasets=args.dataset or EvalSettings.datasets, prompts=args.prompts,
-                        temperatures=args.temperature, max_new_tokens=args.max_new_tokens, **more)
+                        temperatures=args.temperature, max_new_tokens=args.max_new_tokens,
+                        eval_dir=args.eval_dir, **more)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -229,8 +231,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from specforge.evaluation import evaluate, save, table
 
     pipeline = load_pipeline(args.config or ["dspark"], args.overrides)
-    settings = _eval_settings(args, concurrency=args.concurrency, speedup=not args.no_speedup, seed=args.seed,
-                              eval_dir=args.eval_dir)
+    settings = _eval_settings(args, concurrency=args.concurrency, speedup=not args.no_speedup, seed=args.seed)
     result = evaluate(pipeline, settings)
     json_path, png_path = save(result, args.out)
     print(json.dumps(result, indent=2) if args.json else table(result))
@@ -254,7 +255,7 @@ def cmd_run(args: argparse.Namespace) -> int:
           + (f", held-out τ̂ {tr['held_out']['tau']:.2f}" if "tau" in tr.get("held_out", {}) else ""))
     print(table(result))
     secs = job["seconds"]
-    print(f"time: data + training {secs['data_and_training_s']:.0f} s, evaluation {secs['eval_s']:.0f} s; "
+    print(f"time: data {secs['data_s']:.0f} s, training {secs['training_s']:.0f} s, evaluation {secs['eval_s']:.0f} s; "
           f"plot {job['output_dir']}/eval/acceptance.png")
     return EXIT_OK
 
@@ -272,6 +273,8 @@ def _add_eval_options(p: argparse.ArgumentParser, prompts: int, max_new_tokens: 
     p.add_argument("--prompts", type=int, default=prompts, help="prompts per set")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens per answer")
+    p.add_argument("--eval-dir", default=None, metavar="DIR",
+                   help="folder of the named prompt sets (default: the sets shipped with specforge)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -336,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                     default=["hf", "specforge", "vllm"])
     eb.add_argument("--per-dataset", nargs="*", default=[], metavar="DATASET",
                     help="also report ngram ÷ plain at concurrency 1 on each of these sets")
-    eb.add_argument("--eval-dir", default=None, help="directory of the eval JSONL sets")
+    eb.add_argument("--eval-dir", default=None, metavar="DIR",
+                    help="folder of the named prompt sets (default: the sets shipped with specforge)")
     eb.add_argument("--profile", default=None, metavar="FILE",
                     help="hardware profile for the ngram-hw variant (default: measure SPS(B) first, in the run; "
                     "with --compile once more with the compiled forward)")
@@ -415,7 +419,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--concurrency", type=int, default=1, help="requests decoded together")
     ev.add_argument("--no-speedup", action="store_true", help="skip the plain-decoding baseline")
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--eval-dir", default=None, help="directory of the named prompt sets")
     ev.add_argument("--out", default="runs/eval", help="where eval.json and acceptance.png go")
     ev.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     ev.add_argument("overrides", nargs="*", metavar="key=value", help="pipeline overrides")
@@ -431,12 +434,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except SpecforgeError as exc:  # bad input or environment, explained by the message itself
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (PluginError, TargetLoadError, UnsupportedModelError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("interrupted; what was written so far is kept (train, regenerate and run resume from it)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specforge.errors import SpecforgeError
 from specforge.plugins import PluginHost, get_host
 from specforge.registry import ComponentKind, Registration
 
@@ -58,7 +59,7 @@ DEFAULT_COMPONENTS: dict[ComponentKind, str | None] = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(SpecforgeError, ValueError):
     """A pipeline config that cannot be used; the message lists every problem found."""
 
     def __init__(self, problems: list[str], source: str = "") -> None:

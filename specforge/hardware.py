@@ -32,6 +32,8 @@ from typing import Any, overload
 import torch
 from torch import Tensor
 
+from specforge.errors import SpecforgeError
+
 __all__ = ["FORMAT", "VERSION", "HardwareProfile", "HardwareProfileError"]
 
 FORMAT = "specforge.hardware_profile"
@@ -39,7 +41,7 @@ VERSION = 1
 _KEYS = {"format", "version", "device", "target", "points"}
 
 
-class HardwareProfileError(ValueError):
+class HardwareProfileError(SpecforgeError, ValueError):
     """A step curve that cannot be built: bad points, or a profile file with bad content."""
 
 

@@ -12,6 +12,11 @@ Every stage leaves its output under ``output.dir`` and is resumed or reused by t
 regeneration continues at its first missing shard, the feature cache is reused when its
 manifest matches, training resumes from its last checkpoint (and is skipped when complete), and
 an evaluation is reused when it was made with the same drafter and the same settings.
+
+The eval prompt sets are read before anything else runs, so a missing set fails in seconds, not
+after training.  A stage that fails on its input or its environment (a damaged file, a full
+disk) raises one :class:`MainJobError` naming the stage, the cause and what was kept; the
+command line prints it on one line.
 """
 
 from __future__ import annotations
@@ -20,11 +25,38 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["drafter_fingerprint", "run_main_job"]
+from specforge.errors import SpecforgeError
+
+__all__ = ["MainJobError", "drafter_fingerprint", "run_main_job"]
+
+
+class MainJobError(SpecforgeError):
+    """A stage of the main job failed on its input or environment; earlier stages' output is kept."""
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{exc.strerror}{where}"
+    return "; ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+
+
+@contextmanager
+def _stage(name: str, out: Path) -> Iterator[None]:
+    """Turn a failure of stage ``name`` into one line that says what is kept and how to go on."""
+    try:
+        yield
+    except (SpecforgeError, OSError) as exc:
+        if isinstance(exc, MainJobError):
+            raise
+        raise MainJobError(
+            f"{name} failed: {_one_line(exc)} — what earlier stages made is kept in {out}; "
+            "fix the cause and run the same command again to continue from there") from exc
 
 
 def _say(msg: str) -> None:
@@ -67,7 +99,9 @@ def run_main_job(train_sources: Sequence[str] = ("quick",), overrides: Sequence[
     from specforge.training.checkpoint import latest_checkpoint
 
     config = load_train_config(list(train_sources), list(overrides))
+    settings = eval_settings or EvalSettings(prompts=3, max_new_tokens=96)
     out = Path(config.output.dir)
+    settings.prompt_sets()  # a missing or malformed eval set fails now, not after training
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -75,39 +109,43 @@ def run_main_job(train_sources: Sequence[str] = ("quick",), overrides: Sequence[
         f"{config.data.limit or 'all'} conversations, {config.drafter.layers}-layer DSpark, "
         f"γ={config.drafter.gamma}, head {config.drafter.head.name})")
     ckpts = out / "checkpoints"
-    last = latest_checkpoint(ckpts)[0] if ckpts.is_dir() else None
-    trainer = Trainer.resume(out, config) if last is not None else Trainer(config)
+    with _stage("data preparation (regeneration and feature cache)", out):
+        last = latest_checkpoint(ckpts)[0] if ckpts.is_dir() else None
+        trainer = Trainer.resume(out, config) if last is not None else Trainer(config)
+    timings["data_s"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
     try:
-        if trainer.step < trainer.total_steps:
-            say(f"training steps {trainer.step}..{trainer.total_steps}"
-                + (f" (resumed from {trainer.resumed_from})" if trainer.resumed_from else ""))
-            trainer.train()
-        else:
-            say(f"training already complete ({trainer.total_steps} steps); reusing {out / 'drafter'}")
-            if not (out / "drafter").is_dir():
-                trainer.export(out / "drafter")
+        with _stage("training", out):
+            if trainer.step < trainer.total_steps:
+                say(f"training steps {trainer.step}..{trainer.total_steps}"
+                    + (f" (resumed from {trainer.resumed_from})" if trainer.resumed_from else ""))
+                trainer.train()
+            else:
+                say(f"training already complete ({trainer.total_steps} steps); reusing {out / 'drafter'}")
+                if not (out / "drafter").is_dir():
+                    trainer.export(out / "drafter")
         train_summary = _train_summary(out)
         target = trainer.target
     finally:
         trainer.close()
-    timings["data_and_training_s"] = time.perf_counter() - t0
+    timings["training_s"] = time.perf_counter() - t1
 
     say("[2/3] evaluation: trained drafter vs plain decoding, same prompts, same run")
-    t1 = time.perf_counter()
-    settings = eval_settings or EvalSettings(prompts=3, max_new_tokens=96)
-    pipeline = load_pipeline(["dspark"], [*_pipeline_overrides(config, out / "drafter"), *eval_overrides])
-    fingerprint = drafter_fingerprint(out / "drafter")
+    t2 = time.perf_counter()
     eval_dir = out / "eval"
-    result = _reusable(eval_dir / "eval.json", fingerprint, settings.to_dict(), pipeline.to_dict())
-    if result is not None:
-        say(f"reusing {eval_dir / 'eval.json'} (same drafter, same settings)")
-    else:
-        result = evaluate(pipeline, settings, target=target)
-        result["main_job"] = {"drafter_sha256": fingerprint}
-    timings["eval_s"] = time.perf_counter() - t1
-    result["main_job"].update({"output_dir": str(out), "training": train_summary, "seconds": timings,
-                               "train_config": config.to_dict()})
-    save(result, eval_dir)
+    with _stage("evaluation", out):
+        pipeline = load_pipeline(["dspark"], [*_pipeline_overrides(config, out / "drafter"), *eval_overrides])
+        fingerprint = drafter_fingerprint(out / "drafter")
+        result = _reusable(eval_dir / "eval.json", fingerprint, settings.to_dict(), pipeline.to_dict())
+        if result is not None:
+            say(f"reusing {eval_dir / 'eval.json'} (same drafter, same settings)")
+        else:
+            result = evaluate(pipeline, settings, target=target)
+            result["main_job"] = {"drafter_sha256": fingerprint}
+        timings["eval_s"] = time.perf_counter() - t2
+        result["main_job"].update({"output_dir": str(out), "training": train_summary, "seconds": timings,
+                                   "train_config": config.to_dict()})
+        save(result, eval_dir)
     say(f"[3/3] done in {time.perf_counter() - t0:.0f} s; results in {eval_dir}")
     return result
 

@@ -26,6 +26,7 @@ from typing import Any
 import pluggy
 from pydantic import BaseModel
 
+from specforge.errors import SpecforgeError
 from specforge import hookspecs
 from specforge.components import (
     Calibrator,
@@ -51,7 +52,7 @@ DISTRIBUTION = "specforge-lossless"
 _UNKNOWN = "<unknown>"
 
 
-class PluginError(RuntimeError):
+class PluginError(SpecforgeError, RuntimeError):
     """Raised in strict mode when a plug-in cannot be imported or registered."""
 
 

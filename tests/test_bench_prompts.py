@@ -12,10 +12,12 @@ import pytest
 
 from specforge.bench import hf_baseline, vllm_client
 from specforge.bench.hf_baseline import rounds_for, summarize
-from specforge.bench.prompts import (
+import specforge
+from specforge.evalsets import (
     BenchPrompt,
     PromptError,
     apply_chat_template,
+    eval_dir,
     list_datasets,
     load_turns,
     select_prompts,
@@ -50,6 +52,15 @@ def test_load_turns_takes_the_first_turn_and_skips_blank_lines(tmp_path):
     p = _write(tmp_path / "x.jsonl", [{"turns": ["a", "b"]}, "", {"turns": ["c"]}])
     assert load_turns(p) == ["a", "c"]
     assert load_turns("x", tmp_path) == ["a", "c"]
+
+
+def test_the_five_sets_ship_inside_the_package(monkeypatch):
+    monkeypatch.delenv("SPECFORGE_EVAL_DIR", raising=False)
+    assert list_datasets() == ["gsm8k", "humaneval", "math500", "mbpp", "mt-bench"]
+    package = Path(specforge.__file__).resolve().parent
+    assert Path(str(eval_dir())).resolve().is_relative_to(package)
+    assert len(load_turns("humaneval")) == 164
+    assert [p.dataset for p in select_prompts(["gsm8k", "mt-bench"], 4)] == ["gsm8k", "mt-bench"] * 2
 
 
 def test_list_datasets_and_env_dir(evaldir, monkeypatch):

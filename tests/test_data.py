@@ -17,7 +17,7 @@ from specforge.data.sharegpt import (
     load_sharegpt,
 )
 
-EVAL = Path(__file__).resolve().parents[2] / "shared" / "eval"
+EVAL = Path(__file__).resolve().parents[1] / "specforge" / "evalsets"
 
 
 # --- ShareGPT ------------------------------------------------------------------------------------
@@ -145,8 +145,6 @@ def test_the_wheels_sharegpt_file_gives_17671_complete_records():
 ])
 def test_jsonl_loads_the_eval_sets(name, count, turns):
     path = EVAL / f"{name}.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} is not present")
     conversations, report = load_jsonl(path)
     assert len(conversations) == report.records == report.lines == count and not report.errors
     assert all(len(c.user_turns) == turns for c in conversations)

@@ -71,5 +71,5 @@ def test_greedy_cli_output_matches_hf_generate(model_dir):
 
 def test_unknown_model_is_one_clear_error():
     r = run("--prompt", "hi", "target.model=/no/such/dir")
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert "error: no model at '/no/such/dir'" in r.stderr and "Traceback" not in r.stderr

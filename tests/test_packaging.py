@@ -1,4 +1,4 @@
-"""A built wheel carries every module the entry points name, and the presets."""
+"""A built wheel carries every module the entry points name, the presets and the eval sets."""
 
 from __future__ import annotations
 
@@ -39,3 +39,9 @@ def test_wheel_contains_every_entry_point_module_and_preset(tmp_path):
             rel = module.relative_to(REPO / src).as_posix()
             assert f"{pkg}/{rel}" in names, f"{src}/{rel} is missing from the wheel"
     assert parser["console_scripts"]["specforge"] == "specforge.cli:main"
+    # The eval prompt sets and their attribution ship as package data: an installed specforge
+    # evaluates with nothing beside it.
+    for name in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench"):
+        data = zipfile.ZipFile(wheel).read(f"specforge/evalsets/{name}.jsonl")
+        assert data == (REPO / "specforge" / "evalsets" / f"{name}.jsonl").read_bytes()
+    assert "specforge/evalsets/SOURCES.md" in names

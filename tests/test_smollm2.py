@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import specforge_conformance.drafters as test_drafters
-from specforge.bench.prompts import eval_dir, select_prompts
+from specforge.evalsets import select_prompts
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
@@ -29,8 +29,6 @@ def target():
 
 @pytest.fixture(scope="module")
 def prompt_ids(target):
-    if not (eval_dir() / "humaneval.jsonl").is_file():
-        pytest.skip(f"eval prompts not found in {eval_dir()}")
     return [target.encode(p.text) for p in select_prompts(SETS, 20)]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge.bench.hf_baseline import bench_hf, rounds_for, summarize
-from specforge.bench.prompts import apply_chat_template, select_prompts
+from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.hardware import HardwareProfile

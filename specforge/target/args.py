@@ -11,10 +11,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from specforge.errors import SpecforgeError
+
 __all__ = ["ModelArgs", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES"]
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(SpecforgeError, ValueError):
     """The checkpoint's architecture is not one the runtime implements."""
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from specforge.errors import SpecforgeError
+
 __all__ = ["EMBEDDED", "TargetLoadError", "cache_root", "converted_checkpoint", "gguf_cache_dir", "load_hf",
            "resolve_model", "save_converted"]
 
@@ -40,7 +42,7 @@ EMBEDDED = {
 }
 
 
-class TargetLoadError(ValueError):
+class TargetLoadError(SpecforgeError, ValueError):
     """The target model cannot be found or loaded; the message says what was expected."""
 
 

@@ -35,6 +35,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 from torch import Tensor
 
+from specforge.errors import SpecforgeError
+
 __all__ = ["Checkpoint", "CheckpointError", "checkpoint_problem", "find_checkpoints", "latest_checkpoint",
            "optimizer_from_tensors", "optimizer_to_tensors", "read_checkpoint", "rng_restore", "rng_state",
            "write_checkpoint"]
@@ -44,7 +46,7 @@ STATE = "trainer.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(SpecforgeError, RuntimeError):
     """A checkpoint that cannot be used, with what is wrong in words."""
 
 

@@ -26,6 +26,7 @@ from specforge.features import (
     write_feature_cache,
 )
 from specforge.features.compute import as_pair
+from specforge.training.config import TrainConfigError
 
 __all__ = ["FeatureSource", "MemorySource", "OfflineSource", "OnlineSource", "anchors_for", "build_source", "epoch_order",
            "load_conversations", "load_sequences", "mix_seed", "regenerate_answers"]
@@ -151,7 +152,7 @@ def load_conversations(config: Any, progress: bool = True) -> list[Any]:
         conversations, _ = load_sharegpt(limit=data.limit, progress=progress)
     else:
         if not Path(data.source).is_file():
-            raise FileNotFoundError(f"data.source: no such file {data.source!r} (give 'sharegpt' or a JSONL path)")
+            raise TrainConfigError([f"data.source: no such file {data.source!r} (give 'sharegpt' or a JSONL path)"])
         conversations, _ = load_jsonl(data.source, limit=data.limit)
     return conversations
 
@@ -170,10 +171,14 @@ def regenerate_answers(config: Any, target: Any, out_dir: Path, log: Callable[[s
     regen = config.data.regenerate
     directory = regenerated_dir(config, out_dir)
     conversations = load_conversations(config, progress)
+    # Training keeps the first data.max_length tokens of a conversation, so the engine's context
+    # stops there too: a prompt that leaves no room for an answer inside it is skipped, and no
+    # answer token is decoded that training would cut off (a long prompt also makes every request
+    # of its batch pay for its length in the padded attention).
     report = regenerate(conversations, target, directory, source=config.data.source, turns=regen.turns,
                         max_new_tokens=regen.max_new_tokens, seed=regen.seed, shard_size=regen.shard_size,
-                        max_batch=regen.max_batch, temperature=regen.temperature, top_k=regen.top_k,
-                        top_p=regen.top_p, progress=progress)
+                        max_batch=regen.max_batch, max_context=config.data.max_length,
+                        temperature=regen.temperature, top_k=regen.top_k, top_p=regen.top_p, progress=progress)
     log(f"regenerated answers: {report.summary()}")
     return directory
 

@@ -43,7 +43,7 @@ from specforge.training.checkpoint import (
     rng_restore,
     write_checkpoint,
 )
-from specforge.training.config import TrainConfig
+from specforge.training.config import TrainConfig, TrainConfigError
 from specforge.training.data import FeatureSource, anchors_for, build_source, epoch_order
 from specforge.training.distributed import DistContext, init_distributed
 from specforge.training.losses import dspark_loss, teacher_probs
@@ -106,8 +106,8 @@ class Trainer:
         self.source = source if source is not None else build_source(c, target, layer_ids, self.out_dir, self.dist,
                                                                       self.log)
         if list(self.source.layer_ids) != layer_ids:
-            raise ValueError(f"the feature source taps layers {list(self.source.layer_ids)}; the drafter wants "
-                             f"{layer_ids} (drafter.target_layers)")
+            raise TrainConfigError([f"drafter.target_layers: the feature source taps layers "
+                                    f"{list(self.source.layer_ids)}; the drafter wants {layer_ids}"])
 
         dev = self.dist.device
         self.bf16 = c.dtype == "bfloat16" or (c.dtype == "auto" and dev.type == "cuda")
@@ -148,10 +148,11 @@ class Trainer:
         self.train_count = n - held
         self.steps_per_epoch = self.train_count // c.batch.sequences
         if self.steps_per_epoch == 0:
-            raise ValueError(f"batch.sequences={c.batch.sequences} is more than the {self.train_count} training "
-                             f"sequences")
+            raise TrainConfigError([f"batch.sequences: {c.batch.sequences} is more than the {self.train_count} "
+                                    "training sequences the data gave (raise data.limit or lower batch.sequences)"])
         if c.batch.sequences < self.dist.world:
-            raise ValueError(f"batch.sequences={c.batch.sequences} leaves some of the {self.dist.world} ranks idle")
+            raise TrainConfigError([f"batch.sequences: {c.batch.sequences} leaves some of the {self.dist.world} "
+                                    "ranks idle"])
         s = c.schedule
         self.total_steps = s.total_steps or max(1, round(s.epochs * self.steps_per_epoch))
         self.step, self.epoch, self.batch_index = 0, 0, 0

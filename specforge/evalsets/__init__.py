@@ -1,4 +1,9 @@
-"""Benchmark prompts from the eval sets (SPEC §10): JSON lines ``{"turns": [...]}``.
+"""The evaluation prompt sets and how prompts are drawn from them: JSON lines ``{"turns": [...]}``.
+
+The five sets the paper evaluates on — ``gsm8k``, ``math500``, ``humaneval``, ``mbpp`` and
+``mt-bench`` — ship inside this package (``SOURCES.md`` beside them gives their origin and
+licences), so an installed specforge evaluates anywhere.  A set is named by its file stem; any
+other JSONL file of the same shape is used by its path.
 
 Only the first turn of a conversation is used.  Selection is deterministic, so every system in a
 benchmark run (HF ``generate``, the specforge engine, vLLM) sees the same prompts in the same
@@ -9,9 +14,8 @@ order:
 * from several sets, the per-set picks are interleaved round-robin (``a0 b0 a1 b1 ...``), so any
   batch of ``c`` consecutive prompts mixes the sets.
 
-The eval directory is, in order: the ``eval_dir`` argument, ``$SPECFORGE_EVAL_DIR``, then
-``shared/eval`` beside the repository checkout (where the project keeps its shared files; CI lays
-a copy there too).
+Sets are looked up, in order, in the ``directory`` argument (``--eval-dir``),
+``$SPECFORGE_EVAL_DIR``, then this package.
 """
 
 from __future__ import annotations
@@ -20,25 +24,28 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from specforge.errors import SpecforgeError
+
+if TYPE_CHECKING:  # importlib.resources.abc is Python ≥ 3.11
+    from importlib.resources.abc import Traversable
 
 __all__ = [
-    "DEFAULT_EVAL_DIR",
     "BenchPrompt",
     "PromptError",
     "apply_chat_template",
     "eval_dir",
     "list_datasets",
     "load_turns",
+    "packaged_sets",
     "select_prompts",
 ]
 
-# <checkout>/specforge/bench/prompts.py -> <checkout>/../shared/eval
-DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[3] / "shared" / "eval"
 
-
-class PromptError(ValueError):
+class PromptError(SpecforgeError, ValueError):
     """A prompt file that is missing, empty or malformed (the message names the file and line)."""
 
 
@@ -54,21 +61,28 @@ class BenchPrompt:
         return asdict(self)
 
 
-def eval_dir(path: str | os.PathLike[str] | None = None) -> Path:
-    """The directory holding ``<dataset>.jsonl`` files."""
+def packaged_sets() -> Traversable:
+    """The folder of the shipped sets, inside the installed package (``importlib.resources``)."""
+    return files(__name__)
+
+
+def eval_dir(path: str | os.PathLike[str] | None = None) -> Traversable:
+    """The folder holding ``<dataset>.jsonl`` files: ``path``, ``$SPECFORGE_EVAL_DIR`` or the package."""
     if path is not None:
         return Path(path)
     env = os.environ.get("SPECFORGE_EVAL_DIR")
-    return Path(env) if env else DEFAULT_EVAL_DIR
+    return Path(env) if env else packaged_sets()
 
 
 def list_datasets(directory: str | os.PathLike[str] | None = None) -> list[str]:
-    """Names of the ``*.jsonl`` sets in the eval directory, sorted."""
+    """Names of the ``*.jsonl`` sets in the eval folder, sorted."""
     d = eval_dir(directory)
-    return sorted(p.stem for p in d.glob("*.jsonl"))
+    if not d.is_dir():
+        return []
+    return sorted(p.name.removesuffix(".jsonl") for p in d.iterdir() if p.name.endswith(".jsonl"))
 
 
-def _resolve(dataset: str | os.PathLike[str], directory: str | os.PathLike[str] | None) -> Path:
+def _resolve(dataset: str | os.PathLike[str], directory: str | os.PathLike[str] | None) -> Traversable:
     p = Path(dataset)
     if p.suffix == ".jsonl" or p.is_file():
         return p
@@ -84,9 +98,10 @@ def load_turns(dataset: str | os.PathLike[str], directory: str | os.PathLike[str
     path = _resolve(dataset, directory)
     if not path.is_file():
         known = ", ".join(list_datasets(directory)) or "none"
-        raise PromptError(f"{path}: no such prompt file (sets in {eval_dir(directory)}: {known})")
+        raise PromptError(f"{path}: no such prompt file (sets in {eval_dir(directory)}: {known}); "
+                          "name one of those sets or give the path of a JSONL file of {\"turns\": [...]} rows")
     turns: list[str] = []
-    with path.open(encoding="utf-8") as f:
+    with path.open("r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
