@@ -1,4 +1,4 @@
-"""Deterministic checks of one pipeline (SPEC §9): no statistics, exact answers.
+"""Deterministic checks of one pipeline (docs/conformance.md): no statistics, exact answers.
 
 * **greedy parity** — at T = 0 the pipeline's output equals plain autoregressive decoding of the
   same target token for token (fp32), at batch 1 and batch 3;

@@ -1,4 +1,5 @@
-"""Shipped calibrators: ``identity`` and ``sts`` (Sequential Temperature Scaling, SPEC §6).
+"""Shipped calibrators: ``identity`` and ``sts``, Sequential Temperature Scaling (paper §3.2.1;
+docs/design/calibration-scheduling.md).
 
 A calibrator's file is a safetensors file (never a pickle: loading it cannot run code) whose
 metadata header names the calibrator that wrote it, so a file from another calibrator — or from

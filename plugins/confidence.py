@@ -1,6 +1,6 @@
 """Shipped confidence estimators: ``constant``, ``entropy`` and DSpark's trained ``dspark-head``.
 
-Both are pre-token (SPEC §4): c_k may use what is known before x_k is drawn — here only the
+Both are pre-token (docs/design/round.md): c_k may use what is known before x_k is drawn — here only the
 drafter's distribution at slot k — and never ``block.tokens[:, k]``.  That is what lets a
 scheduler stop on c_k without biasing which tokens get verified.
 """
@@ -88,7 +88,7 @@ class DSparkHeadConfig(BaseModel):
 
 
 class DSparkConfidence(nn.Module):
-    """c_k = σ(wᵀ[h_k ; E[x_{k−1}]] + b) (SPEC §5, paper §3.2.1 eq. 7), x_0 = the anchor.
+    """c_k = σ(wᵀ[h_k ; E[x_{k−1}]] + b) (paper §3.2.1 eq. 7), x_0 = the anchor.
 
     Pre-token by construction: it reads h_k and the *previous* token only.  E is the paper's
     "Markov embedding" W1 when the drafter ties it to its correction head (``embedding="head"``,

@@ -1,5 +1,5 @@
 """Shipped correction heads: ``none``, the identity (a parallel drafter drafts unbiased), and
-DSpark's trainable ``markov``, ``gated`` and ``rnn`` heads (SPEC §5; implemented in
+DSpark's trainable ``markov``, ``gated`` and ``rnn`` heads (docs/design/drafters.md; implemented in
 :mod:`specforge_plugins.heads`)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Trainable correction heads of DSpark's sequential stage (SPEC §5, paper §3.1 eq. 4–6).
+"""Trainable correction heads of DSpark's sequential stage (paper §3.1 eq. 4–6; docs/design/drafters.md).
 
 Each head adds a prefix-dependent bias B_k to the parallel backbone's base logits U_k:
 ``p_k(v | x_0, x_<k) ∝ exp(U_k(v) + B_k(x_0, x_<k, v))``.  All three share a low-rank pair

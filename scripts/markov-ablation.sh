@@ -1,10 +1,11 @@
 #!/bin/bash
-# Markov-head ablation (SPEC §5, paper Table 4): DSpark with correction head `none` vs `markov` at
-# gamma 4, 7 and 16, all trained with the quick preset on the same data — the regenerated answers
-# and feature cache of runs/quick-fresh (`specforge run --config quick output.dir=runs/quick-fresh`;
-# the first `train` below builds them if that has not run) — then tau at T=0 and T=1 on the five
-# eval sets (3 prompts each) and the table (scripts/ablation_table.py).  Each step resumes or
-# reuses what an earlier call finished.  GAMMAS / HEADS narrow the grid.
+# Markov-head ablation (paper §4.3.2, Figure 4; results in docs/evaluation.md): DSpark with
+# correction head `none` vs `markov` at gamma 4, 7 and 16, all trained with the quick preset on the
+# same data — the regenerated answers and feature cache of runs/quick-fresh (`specforge run
+# --config quick output.dir=runs/quick-fresh`; the first `train` below builds them if that has not
+# run) — then tau at T=0 and T=1 on the five eval sets (3 prompts each) and the table
+# (scripts/ablation_table.py).  Each step resumes or reuses what an earlier call finished.
+# GAMMAS / HEADS narrow the grid.
 set -e
 cd "$(dirname "$0")/.."
 SF=".venv/bin/specforge"

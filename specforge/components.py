@@ -113,7 +113,7 @@ class Scheduler(Protocol):
 
         Args:
             confidence: ``[R, G]`` calibrated *pre-token* conditional survival estimates c_k:
-                c_k may depend on x_<k but never on x_k (SPEC §4, causality).
+                c_k may depend on x_<k but never on x_k (docs/design/verification.md#causality).
             available: ``[R]`` number of drafted tokens each request actually has.
         """
         ...

@@ -68,6 +68,16 @@ class ConfigError(SpecforgeError, ValueError):
         super().__init__(f"invalid pipeline config{where}:\n" + "\n".join(f"  {p}" for p in problems))
 
 
+class SectionError(ValueError):
+    """Raised by a validator of a config section whose keys are checked against another model (a
+    component's own config inside a training config, say): ``problems`` are ``(relative key
+    path, message)`` pairs, reported under the section's path like any other key."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{k}: {m}" if k else m for k, m in problems))
+
+
 class TargetConfig(BaseModel):
     """The target model."""
 
@@ -309,8 +319,21 @@ def load_pipeline(
     sources: list[str] | str = "default",
     overrides: list[str] | None = None,
     host: PluginHost | None = None,
+    sections: dict[str, Any] | None = None,
 ) -> PipelineConfig:
-    """Compose ``sources`` (files or preset names) with ``overrides`` and validate."""
+    """Compose ``sources`` (files or preset names) with ``overrides`` and validate.
+
+    ``sections`` (e.g. what a training method says serves its checkpoint) *replace* whole
+    sections of the sources — a preset's ``confidence: {name: constant, value: 0.8}`` must not
+    leave ``value`` behind in a ``dspark-head`` section — before the overrides apply."""
     sources = [sources] if isinstance(sources, str) else list(sources)
-    raw = compose(sources, overrides)
+    raw = compose(sources)
+    if sections:
+        raw.update(sections)
+    if overrides:
+        try:
+            raw = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(raw), OmegaConf.create(compose([], overrides))),
+                                         resolve=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError([f"cannot merge configs: {exc}".splitlines()[0]]) from None
     return validate_pipeline(raw, host, source=", ".join(sources))

@@ -105,7 +105,7 @@ def specforge_register_schedulers(register):
 
     A factory returns a :class:`specforge.components.Scheduler`.  Whether position k is verified
     may depend on x_<k, on the confidences (which are pre-token) and on history, never on x_k,
-    later drafts, target outputs or the verifier's uniforms (SPEC §4).
+    later drafts, target outputs or the verifier's uniforms (docs/design/verification.md#causality).
 
     Metadata: ``reads`` — a list among ``"confidence"``, ``"hardware_profile"`` and
     ``"history"``, so tools can tell which inputs change its decisions.

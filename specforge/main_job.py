@@ -105,9 +105,11 @@ def run_main_job(train_sources: Sequence[str] = ("quick",), overrides: Sequence[
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
+    drafter = config.drafter
+    shape = ", ".join(f"{k} {drafter.options()[k] if k != 'head' else drafter.options()[k]['name']}"
+                      for k in ("layers", "gamma", "head") if k in drafter.options())
     say(f"[1/3] data and training → {out} (regenerate: {config.data.regenerate.enabled}, "
-        f"{config.data.limit or 'all'} conversations, {config.drafter.layers}-layer DSpark, "
-        f"γ={config.drafter.gamma}, head {config.drafter.head.name})")
+        f"{config.data.limit or 'all'} conversations, drafter {drafter.name}" + (f": {shape})" if shape else ")"))
     ckpts = out / "checkpoints"
     with _stage("data preparation (regeneration and feature cache)", out):
         last = latest_checkpoint(ckpts)[0] if ckpts.is_dir() else None
@@ -126,6 +128,7 @@ def run_main_job(train_sources: Sequence[str] = ("quick",), overrides: Sequence[
                     trainer.export(out / "drafter")
         train_summary = _train_summary(out)
         target = trainer.target
+        serving = trainer.method.pipeline(out / "drafter")
     finally:
         trainer.close()
     timings["training_s"] = time.perf_counter() - t1
@@ -134,7 +137,9 @@ def run_main_job(train_sources: Sequence[str] = ("quick",), overrides: Sequence[
     t2 = time.perf_counter()
     eval_dir = out / "eval"
     with _stage("evaluation", out):
-        pipeline = load_pipeline(["dspark"], [*_pipeline_overrides(config, out / "drafter"), *eval_overrides])
+        # The default pipeline, with the sections the training method says serve its drafter.
+        sections = {**serving, "target": {"model": config.target.model, "dtype": config.target.dtype}}
+        pipeline = load_pipeline(["default"], list(eval_overrides), sections=sections)
         fingerprint = drafter_fingerprint(out / "drafter")
         result = _reusable(eval_dir / "eval.json", fingerprint, settings.to_dict(), pipeline.to_dict())
         if result is not None:
@@ -148,20 +153,6 @@ def run_main_job(train_sources: Sequence[str] = ("quick",), overrides: Sequence[
         save(result, eval_dir)
     say(f"[3/3] done in {time.perf_counter() - t0:.0f} s; results in {eval_dir}")
     return result
-
-
-def _pipeline_overrides(config: Any, drafter_dir: Path) -> list[str]:
-    """The ``dspark`` preset adjusted to what was trained: target, checkpoint, head kinds and sizes."""
-    d = config.drafter
-    items = [f"drafter.checkpoint={drafter_dir}", f"target.model={config.target.model}",
-             f"target.dtype={config.target.dtype}", f"correction_head.name={d.head.name}"]
-    if d.head.name != "none":
-        items.append(f"correction_head.rank={d.head.rank}")
-    if d.confidence.name == "none":  # no trained confidence head: every position is verified anyway
-        items.append("confidence.name=constant")
-    else:
-        items += [f"confidence.rank={d.confidence.rank}", f"confidence.embedding={d.confidence.embedding}"]
-    return items
 
 
 def _train_summary(out: Path) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Calibration metrics (SPEC §6, §8): plain functions from tensors to numbers.
+"""Calibration metrics (docs/design/metrics.md): plain functions from tensors to numbers.
 
 Every function flattens its inputs and works in float64 on the CPU, so results do not depend on
 the dtype or device the confidences arrived in.  Conventions shared by all of them:

@@ -1,4 +1,6 @@
-"""Reliability diagrams (SPEC §6): predicted vs observed prefix survival, before/after calibration.
+"""Reliability diagrams: predicted vs observed prefix survival, before/after calibration.
+
+What is plotted: docs/design/metrics.md#calibration-metrics.
 
 Drawn with matplotlib's Agg canvas directly (no pyplot), so plotting never touches the global
 backend of a process that also shows interactive figures; matplotlib is imported only here.

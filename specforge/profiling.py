@@ -1,4 +1,7 @@
-"""``specforge profile``: measure the step curve SPS(B) of a target on this machine (SPEC §6).
+"""``specforge profile``: measure the step curve SPS(B) of a target on this machine.
+
+Usage: docs/engine.md#hardware-profiles; how schedulers use the curve:
+docs/design/calibration-scheduling.md#scheduling.
 
 SPS(B) is how many verify passes of B flattened tokens the target runs per second.  A verify
 pass is what the engine runs every round: R requests, each with a cached context, contribute

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, field_validator
 
 __all__ = [
     "KIND_HOOKS",
@@ -79,6 +79,27 @@ class DrafterMeta(_Meta):
     provides: tuple[BlockField, ...] = ()
     # Whether the drafter runs a correction head; if not, only identity heads combine with it.
     uses_correction_head: bool = False
+    # The training method (specforge.training.contract): a class with a ``config`` model, built
+    # as ``training(config, target)``.  None: the drafter cannot be trained by ``specforge train``.
+    training: Any = Field(None, exclude=True)
+
+    @computed_field  # what `specforge plugins --json` shows of it
+    @property
+    def trainable(self) -> bool:
+        return self.training is not None
+
+    @field_validator("training")
+    @classmethod
+    def _training_method(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        config = getattr(value, "config", None)
+        if not callable(value) or not (isinstance(config, type) and issubclass(config, BaseModel)):
+            raise ValueError("training must be a class with a pydantic `config` model "
+                             "(see specforge.training.contract)")
+        if config.model_config.get("extra") != "forbid":
+            raise ValueError(f"training config model {config.__name__} must set extra='forbid'")
+        return value
 
 
 class CorrectionHeadMeta(_Meta):

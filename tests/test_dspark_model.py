@@ -1,5 +1,5 @@
-"""DSpark model pieces (SPEC §5, paper §3): block backbone, correction heads, confidence head,
-losses and checkpoints — pure modules on tiny dimensions (d=32, V=40, γ=4)."""
+"""DSpark model pieces (paper §3; docs/design/drafters.md): block backbone, correction heads,
+confidence head, losses and checkpoints — pure modules on tiny dimensions (d=32, V=40, γ=4)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,25 @@
 """`specforge eval` and the main job (`specforge run`): acceptance statistics computed by hand,
-and the whole data → training → evaluation chain on a tiny checkpoint, reused on a second call."""
+and the whole data → training → evaluation chain on a tiny checkpoint — run by specforge
+installed from a copy of the repository, in a folder with nothing of the project around it —
+reused on a second call, and its failures reported in one line."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
 from specforge.engine.request import RequestOutput, RequestStats
 from specforge.evaluation import aggregate, summarize, table
-from tiny_models import save_tiny, save_tokenizer
+from tiny_models import tiny_training_files
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _output(rounds: list[tuple[int, int]], tokens: int) -> RequestOutput:
@@ -57,14 +64,7 @@ def test_summary_and_table_cover_every_row():
 def tiny_run(tmp_path_factory):
     """A tiny checkpoint, conversations, eval prompts and a main-job config with regeneration."""
     root = tmp_path_factory.mktemp("mainjob")
-    model = save_tokenizer(save_tiny("llama", root / "model", vocab=96), vocab=96)
-    chats = root / "chats.jsonl"
-    chats.write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": " ".join(f"w{5 + (i + j) % 40}" for j in range(6))},
-                                 {"role": "assistant", "content": "w9 w9"}]}) + "\n" for i in range(12)))
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"turns": [" ".join(f"w{7 + (3 * i + j) % 30}" for j in range(5))]}) + "\n"
-                               for i in range(4)))
+    model, chats, prompts = tiny_training_files(root)
     cfg = root / "train.yaml"
     cfg.write_text(
         f"target: {{model: '{model}', dtype: float32}}\n"
@@ -80,29 +80,95 @@ def tiny_run(tmp_path_factory):
     return root, cfg, prompts
 
 
-def test_main_job_runs_every_stage_then_reuses_them(tiny_run):
-    root, cfg, prompts = tiny_run
-    cmd = [sys.executable, "-m", "specforge", "run", "--config", str(cfg), "--dataset", str(prompts),
-           "--prompts", "2", "--max-new-tokens", "6", "--temperature", "0", "1"]
-    first = subprocess.run(cmd, capture_output=True, text=True)
+@pytest.fixture(scope="module")
+def installed_copy(tmp_path_factory):
+    """specforge installed (not editable) from a copy of this repository into a throw-away
+    environment, in a folder with nothing of the project above it: what a user who cloned or
+    pip-installed the project has.  The environment sees this one's packages (torch, …)."""
+    root = tmp_path_factory.mktemp("elsewhere")
+    assert not any((d / "shared").exists() for d in root.parents), "a shared/ folder above the temp dir"
+    copy = root / "specforge-copy"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "runs", "site", "build", "*.egg-info", "__pycache__", ".pytest_cache"))
+    env = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    python = env / "bin" / "python"
+    child_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                check=True, capture_output=True, text=True).stdout.strip()
+    # The child's own site-packages come first on its path, so its installed specforge shadows
+    # the editable one of this environment (added after it for the dependencies).
+    (Path(child_site) / "parent.pth").write_text(
+        f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "-q", "install", "--no-deps",
+                    "--no-build-isolation", str(copy)], check=True, capture_output=True, text=True)
+    where = subprocess.run([str(python), "-c", "import specforge.evalsets as e; print(e.packaged_sets())"],
+                           check=True, capture_output=True, text=True, cwd=root).stdout.strip()
+    assert Path(where).is_relative_to(child_site), where
+    return python, root
+
+
+def test_main_job_runs_anywhere_every_stage_then_reuses_them(tiny_run, installed_copy):
+    """The installed package, run from a folder with no checkout around it, evaluates on the
+    prompt sets it ships (named, not given as paths)."""
+    python, cwd = installed_copy
+    root, cfg, _ = tiny_run
+    cmd = [str(python), "-m", "specforge", "run", "--config", str(cfg), "--dataset", "gsm8k",
+           "--dataset", "mt-bench", "--prompts", "2", "--max-new-tokens", "6", "--temperature", "0", "1"]
+    first = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
     assert first.returncode == 0, first.stderr[-3000:]
     run = root / "run"
     assert (run / "regenerated" / "progress.json").is_file()
     assert (run / "drafter" / "model.safetensors").is_file()
     result = json.loads((run / "eval" / "eval.json").read_text())
     assert (run / "eval" / "acceptance.png").stat().st_size > 0
-    assert [r["temperature"] for r in result["results"]] == [0.0, 1.0]
+    assert [(r["dataset"], r["temperature"]) for r in result["results"]] == [
+        ("gsm8k", 0.0), ("gsm8k", 1.0), ("mt-bench", 0.0), ("mt-bench", 1.0)]
     for r in result["results"]:
         assert r["requests"] == 2 and r["failed"] == 0 and r["new_tokens"] > 0
         assert 1.0 <= r["tau"] <= 4.0 and len(r["acceptance"]) <= 3
         assert r["ar_new_tokens"] > 0 and r["speedup"] > 0
     assert result["main_job"]["training"]["train"]["step"] == 4
+    assert set(result["main_job"]["seconds"]) == {"data_s", "training_s", "eval_s"}
     assert "τ" in first.stdout and "mean (T=0)" in first.stdout
 
-    second = subprocess.run(cmd, capture_output=True, text=True)
+    second = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "training already complete" in second.stderr
     assert "reusing" in second.stderr and "eval.json" in second.stderr
+
+
+def _error_line(r: subprocess.CompletedProcess) -> str:
+    """The one line a user-facing failure prints, after checking there is exactly one."""
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    return errors[0]
+
+
+def test_main_job_failures_are_one_line_and_keep_the_earlier_stages(tiny_run, installed_copy):
+    python, cwd = installed_copy
+    root, cfg, _ = tiny_run
+    run = root / "run"
+    base = [str(python), "-m", "specforge", "run", "--config", str(cfg), "--prompts", "1",
+            "--max-new-tokens", "4", "--temperature", "0"]
+    if not (run / "drafter").is_dir():  # the test above made it; alone, this one makes it too
+        subprocess.run([*base, "--dataset", "gsm8k"], check=True, capture_output=True, text=True, cwd=cwd)
+    made = sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file())
+
+    # A set that does not exist is refused before any stage starts, naming the sets there are.
+    line = _error_line(subprocess.run([*base, "--dataset", "gsm8k", "--dataset", "nosuchset"],
+                                      capture_output=True, text=True, cwd=cwd))
+    assert "nosuchset.jsonl: no such prompt file" in line and "gsm8k, humaneval, math500, mbpp, mt-bench" in line
+
+    # A damaged drafter fails the evaluation stage: the stage, the file and what to do, in one
+    # line; regenerated data, features and checkpoints are all still there.
+    weights = run / "drafter" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    line = _error_line(subprocess.run([*base, "--dataset", "mbpp"], capture_output=True, text=True, cwd=cwd))
+    assert line.startswith("error: evaluation failed:") and str(weights) in line, line
+    assert "kept in" in line and "run the same command again" in line
+    left = {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
+    assert {m for m in made if not m.startswith(("drafter/", "eval/"))} <= left
 
 
 def test_eval_cli_needs_a_drafter(tiny_run):

@@ -1,7 +1,9 @@
 """A third-party package installed with pip shows up, is selectable, and goes away again.
 
 The example package under examples/ is pip-installed into a throw-away virtual environment that
-sees this environment's packages, its own test suite runs there, then it is uninstalled.
+sees this environment's packages, its own test suite runs there (the conformance fixture
+certifies its scheduler and its drafter), then it is uninstalled.  Its drafter is trained with
+``specforge train`` and evaluated with ``specforge eval`` with no change to specforge.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+
+from tiny_models import tiny_training_files
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "specforge-example-plugin"
@@ -86,3 +90,50 @@ def test_install_select_test_uninstall(child_env, tmp_path):
 
     pip(child_env, "uninstall", "-y", "specforge-example-plugin")
     assert budget not in components(child_env)
+
+
+def test_a_third_party_drafter_trains_evaluates_and_resumes(child_env, tmp_path):
+    pip(child_env, "install", "--no-deps", "--no-build-isolation", str(EXAMPLE))
+    model, chats, prompts = tiny_training_files(tmp_path)
+    config = tmp_path / "train.yaml"
+    config.write_text(
+        f"target: {{model: '{model}', dtype: float32}}\n"
+        f"data: {{source: '{chats}', max_length: 64, eval_sequences: 2}}\n"
+        "features: {mode: offline, sequences_per_shard: 4}\n"
+        "schedule: {total_steps: 6, warmup_steps: 1}\n"
+        "batch: {sequences: 4, anchors: 4}\n"
+        f"output: {{dir: '{tmp_path / 'run'}', checkpoint_interval: 3, eval_interval: 3, progress: false}}\n"
+        "device: cpu\n")
+    sf = [str(child_env), "-m", "specforge"]
+
+    def train(*extra: str) -> dict:
+        r = subprocess.run([*sf, "train", "--config", str(config), "drafter.name=hidden-head", "--json", *extra],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout)
+
+    # Killed after 4 steps (no final checkpoint, as a kill), then resumed from step 3 to the end.
+    assert train("--max-steps", "4")["step"] == 4
+    assert train()["step"] == 6
+    drafter = tmp_path / "run" / "drafter"
+    meta = json.loads((drafter / "config.json").read_text())
+    assert meta["method"] == "hidden-head" and meta["trained_steps"] == 6
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert {"ce", "tau", "accept_rate@1"} <= set(metrics[-1])
+
+    # A key the method does not have is named with the method's valid keys.
+    bad = subprocess.run([*sf, "train", "--config", str(config), "drafter.name=hidden-head", "drafter.rank=4"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "drafter.rank: unknown key; valid keys: name, seed, distill" in bad.stderr
+
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(f"target: {{model: '{model}', dtype: float32}}\n"
+                        f"drafter: {{name: hidden-head, checkpoint: '{drafter}'}}\n")
+    r = subprocess.run([*sf, "eval", "--config", str(pipeline), "--dataset", str(prompts), "--prompts", "2",
+                        "--max-new-tokens", "6", "--out", str(tmp_path / "eval"), "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout)["results"]
+    assert [row["temperature"] for row in rows] == [0.0, 1.0]
+    assert all(row["failed"] == 0 and row["rounds"] > 0 and 1.0 <= row["tau"] <= 2.0 for row in rows)

@@ -1,4 +1,4 @@
-"""Feature cache (SPEC §7.3) and anchor packing (SPEC §7.4) on a tiny random target."""
+"""Feature cache and anchor packing (docs/training.md#how-training-works) on a tiny random target."""
 
 from __future__ import annotations
 
@@ -294,7 +294,7 @@ def test_size_estimate_equals_tensor_bytes(target, tmp_path, dtype):
 
 
 def dense_reference(seqs, anchors, block_size, trim, shift=1, mask_id=95):
-    """Explicit loops over blocks and slots, straight from the SPEC §5 / §7.4 rules."""
+    """Explicit loops over blocks and slots, straight from the packing rules (docs/training.md)."""
     ctx_off, off = [], 0
     for ids, _ in seqs:
         ctx_off.append(off)

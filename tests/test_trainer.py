@@ -1,4 +1,4 @@
-"""The DSpark trainer (SPEC §7.5) on a tiny target: learning, kill-and-resume, torchrun, checkpoints, config."""
+"""The DSpark trainer (docs/training.md) on a tiny target: learning, kill-and-resume, torchrun, checkpoints, config."""
 
 from __future__ import annotations
 
@@ -187,10 +187,11 @@ def test_config_errors_name_the_key_and_the_valid_keys(tmp_path):
         load_train_config("quick", ["optimizer.lrr=1", "drafter.head.rnak=8", "batch.sequences=0", "bogus=1"])
     msg = str(e.value)
     assert "optimizer.lrr: unknown key; valid keys: lr, betas, eps, weight_decay" in msg
-    assert "drafter.head.rnak: unknown key; valid keys: rank," in msg
+    assert "drafter.head.rnak: unknown key; valid keys: name, rank," in msg
     assert "batch.sequences: Input should be greater than or equal to 1" in msg
     assert "bogus: unknown key; valid keys: target, data," in msg
-    with pytest.raises(TrainConfigError, match="drafter.head.name: Input should be 'none', 'markov', 'gated' or 'rnn'"):
+    with pytest.raises(TrainConfigError, match="drafter.head.name: 'lstm' is not a trainable correction head; "
+                                               "choose one of: gated, markov, none, rnn"):
         load_train_config("quick", ["drafter.head.name=lstm"])
     with pytest.raises(TrainConfigError, match="no such config file or training preset; presets: full, medium, quick"):
         load_train_config("quik")
@@ -199,7 +200,8 @@ def test_config_errors_name_the_key_and_the_valid_keys(tmp_path):
     yaml = tmp_path / "run.yaml"
     yaml.write_text("drafter:\n  layers: 3\n  head: {name: rnn, rank: 64}\noptimizer: {lr: 1.0e-4}\n")
     cfg = load_train_config(["quick", str(yaml)], ["schedule.total_steps=50", "drafter.gamma=4"])
-    assert (cfg.drafter.layers, cfg.drafter.head.name, cfg.drafter.head.rank, cfg.drafter.gamma) == (3, "rnn", 64, 4)
+    d = cfg.drafter.options()
+    assert (d["layers"], d["head"]["name"], d["head"]["rank"], d["gamma"]) == (3, "rnn", 64, 4)
     assert (cfg.optimizer.lr, cfg.schedule.total_steps, cfg.schedule.epochs) == (1e-4, 50, None)
     full = load_train_config("full")
-    assert full.drafter.layers == 5 and full.data.limit is None
+    assert full.drafter.options()["layers"] == 5 and full.data.limit is None

@@ -1,4 +1,5 @@
-"""The shipped verifiers: exact per-position laws, the batched verify path, SPEC §4 edge cases."""
+"""The shipped verifiers: exact per-position laws, the batched verify path, and the edge cases of
+docs/design/verification.md."""
 
 from __future__ import annotations
 
@@ -217,7 +218,7 @@ def test_verify_grid_law_matches_primitives(name):
 
 
 def _loop_reference(name, verifier, p, q, x, lengths, u):
-    """Request by request, position by position, straight from the rule of SPEC §4."""
+    """Request by request, position by position, straight from docs/design/verification.md."""
     out = []
     for r in range(p.shape[0]):
         result = None
@@ -346,7 +347,7 @@ def test_batch_equals_each_request_alone(name, one_hot):
         assert int(alone.next_token) == int(out.next_token[r])
 
 
-# --- SPEC §4 edge cases --------------------------------------------------------------------
+# --- edge cases (docs/design/verification.md) ----------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])

@@ -60,3 +60,19 @@ def save_tokenizer(directory: Path, vocab: int = 96) -> Path:
     fast.chat_template = "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
     fast.save_pretrained(directory)
     return directory
+
+
+def tiny_training_files(root: Path, conversations: int = 12, prompts: int = 4) -> tuple[Path, Path, Path]:
+    """A tiny checkpoint with its tokenizer, ``conversations`` chats (JSONL) and ``prompts`` eval
+    prompts (``{"turns": [...]}``) under ``root``: what ``specforge train``/``eval``/``run`` need."""
+    import json
+
+    model = save_tokenizer(save_tiny("llama", root / "model", vocab=96), vocab=96)
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": " ".join(f"w{5 + (i + j) % 40}" for j in range(6))},
+                                 {"role": "assistant", "content": "w9 w9"}]}) + "\n" for i in range(conversations)))
+    evals = root / "prompts.jsonl"
+    evals.write_text("".join(json.dumps({"turns": [" ".join(f"w{7 + (3 * i + j) % 30}" for j in range(5))]}) + "\n"
+                             for i in range(prompts)))
+    return model, chats, evals

@@ -1,12 +1,13 @@
 """The shipped drafters.
 
 ``ngram`` (prompt lookup) needs no trained model; ``dspark`` and ``dflash`` are the parallel block
-drafters (SPEC §5), from a checkpoint or a seeded random initialisation.
+drafters (docs/design/drafters.md), from a checkpoint or a seeded random initialisation.
 """
 
 from __future__ import annotations
 
 from specforge import hookimpl
+from specforge_plugins.drafters.block.training import BlockTraining, DFlashTraining
 from specforge_plugins.drafters.dspark import DFlashConfig, DFlashDrafter, DSparkConfig, DSparkDrafter
 from specforge_plugins.drafters.ngram import NgramConfig, NgramDrafter
 
@@ -23,9 +24,9 @@ def specforge_register_drafters(register):
              description="prompt lookup: propose what followed the most recent earlier "
                          "occurrence of the last n tokens (no model)")
     register("dspark", DSparkDrafter, config=DSparkConfig, parallel=True, uses_correction_head=True,
-             provides=("probs", "logits", "hidden"), examples=_BLOCK_EXAMPLES,
+             provides=("probs", "logits", "hidden"), examples=_BLOCK_EXAMPLES, training=BlockTraining,
              description="DSpark: parallel block [anchor, MASK x (gamma-1)] over fused target features, "
                          "then the correction head left to right")
     register("dflash", DFlashDrafter, config=DFlashConfig, parallel=True, uses_correction_head=True,
-             provides=("probs", "logits", "hidden"), examples=_BLOCK_EXAMPLES,
+             provides=("probs", "logits", "hidden"), examples=_BLOCK_EXAMPLES, training=DFlashTraining,
              description="DFlash: parallel block [anchor, MASK x gamma] over fused target features")

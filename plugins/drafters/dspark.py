@@ -1,4 +1,4 @@
-"""``dspark`` (and ``dflash``): the parallel block drafter in the engine (SPEC §3, §5).
+"""``dspark`` (and ``dflash``): the parallel block drafter in the engine (docs/design/drafters.md).
 
 One round for R requests:
 

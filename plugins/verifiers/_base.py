@@ -73,7 +73,10 @@ def prepare(
     sampling: SamplingParams,
     uniforms: Tensor,
 ) -> VerifyInputs:
-    """Validate shapes and values of a ``verify`` call (SPEC §4) and sanitise unused slots."""
+    """Validate shapes and values of a ``verify`` call and sanitise unused slots.
+
+    The checks are those of docs/design/verification.md#errors-instead-of-wrong-tokens.
+    """
     if target_logits.dim() != 3:
         shape = tuple(target_logits.shape)
         raise ValueError(f"target_logits must be [R, G+1, V], got shape {shape}")

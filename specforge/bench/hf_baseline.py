@@ -1,4 +1,4 @@
-"""The HF transformers ``generate`` baseline of the engine benchmark (SPEC §11).
+"""The HF transformers ``generate`` baseline of the engine benchmark (docs/engine.md#benchmarks).
 
 Greedy decoding of a fixed number of new tokens (128 by default) with end-of-sequence ignored, so
 every request produces exactly that many tokens and every system in the benchmark does the same

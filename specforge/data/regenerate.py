@@ -1,4 +1,4 @@
-"""Regenerate the assistant turns of conversations with the target itself (SPEC §7.2).
+"""Regenerate the assistant turns of conversations with the target itself (docs/data.md).
 
 A drafter learns to predict what the *target* writes, so the replies in a dataset (ShareGPT's
 come from ChatGPT) are replaced by the target's own answers: the user (and system) messages are

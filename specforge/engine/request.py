@@ -37,7 +37,7 @@ class GenerationRequest:
 
 @dataclass
 class RequestStats:
-    """Counters of one request (SPEC §8 names)."""
+    """Counters of one request (names and definitions: docs/design/metrics.md)."""
 
     rounds: int = 0
     drafted: int = 0

@@ -1,4 +1,7 @@
-"""Stop conditions applied to the tokens a round commits (SPEC §4: truncate inside the block)."""
+"""Stop conditions applied to the tokens a round commits, also inside an accepted block.
+
+Why cutting there keeps the output exact: docs/design/round.md#commit-truncation-and-rollback.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Evaluate a speculative pipeline on prompt sets (SPEC §8): acceptance and speedup, one run.
+"""Evaluate a speculative pipeline on prompt sets: acceptance and speedup, one run.
+
+The metrics are defined in docs/design/metrics.md.
 
 For every prompt set and temperature the same prompts are decoded twice by engines that share
 one loaded target: once by the pipeline (its drafter, heads, scheduler and verifier) and once by

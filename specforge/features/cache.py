@@ -1,4 +1,4 @@
-"""Target features for drafter training (SPEC §7.3): an offline cache and an online twin.
+"""Target features for drafter training (docs/training.md): an offline cache and an online twin.
 
 Both produce the same :class:`SequenceFeatures` per sequence — token ids, loss mask, the outputs of
 the tapped target layers and the target's last hidden state — so a trainer takes either.

@@ -1,4 +1,4 @@
-"""Computing target features: one flattened varlen pass per chunk of sequences (SPEC §7.3).
+"""Computing target features: one flattened varlen pass per chunk of sequences (docs/training.md).
 
 Shared by the offline cache writer (:mod:`.cache`) and the online mode (:class:`OnlineFeatures`,
 the target run inside the training step), so both give the same :class:`SequenceFeatures`.

@@ -155,7 +155,10 @@ def check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> list[int]:
 
 
 def default_layer_ids(n_layers: int, m: int = 5) -> list[int]:
-    """SPEC §5's default: m layers spread evenly from layer 1 to L−3 (fewer on shallow targets)."""
+    """The default taps: m layers spread evenly from layer 1 to L−3 (fewer on shallow targets).
+
+    See docs/design/drafters.md#context-fusion-and-kv-injection.
+    """
     lo, hi = min(1, n_layers - 1), max(min(1, n_layers - 1), n_layers - 3)
     if m <= 1:
         return [hi]

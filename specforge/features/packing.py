@@ -1,4 +1,4 @@
-"""Anchor packing (SPEC §7.4): many draft blocks of a batch in one dense token dimension.
+"""Anchor packing: many draft blocks of a batch in one dense token dimension (docs/training.md).
 
 Training a block drafter samples *anchors* — positions a of a sequence — and builds one block per
 anchor: DSpark's input is ``[x_a, MASK × (γ−1)]`` at positions a … a+γ−1, and slot j predicts token
@@ -6,10 +6,10 @@ a+1+j (the anchor slot is the first prediction; ``label_shift`` = 1).  All block
 laid end to end in one "packed" dimension of ``Tb`` tokens, without padding; the target features
 of the batch's sequences lie end to end in a context dimension of ``Tc`` rows.
 
-Attention rule (SPEC §5): a block token sees the context of its own sequence strictly before its
-anchor (the anchor's own target features do not exist yet when it is drafted) and every token of
-its own block (bidirectional).  Both sets are contiguous, so the exact token-level format is four
-integers per packed token::
+Attention rule (the drafter's, docs/design/drafters.md): a block token sees the context of its own
+sequence strictly before its anchor (the anchor's own target features do not exist yet when it is
+drafted) and every token of its own block (bidirectional).  Both sets are contiguous, so the exact
+token-level format is four integers per packed token::
 
     context rows  ctx_start[t] <= c < ctx_end[t]     (c indexes the Tc context rows)
     block rows    blk_start[t] <= k < blk_end[t]     (k indexes the Tb packed rows)

@@ -1,4 +1,4 @@
-"""Training of model drafters (SPEC §7): the DSpark losses, the config and the trainer.
+"""Training of model drafters (docs/training.md): the DSpark losses, the config and the trainer.
 
 The trainer's modules import the drafter plug-ins, which may themselves import the losses from
 here, so everything but the losses is imported on first use.

@@ -1,4 +1,4 @@
-"""Training configuration (SPEC §7): one pydantic model, composed from presets, YAML and dot-lists.
+"""Training configuration (docs/training.md): one pydantic model, composed from presets, YAML and dot-lists.
 
 A run is ``preset or YAML file(s)`` + ``key=value`` overrides, merged by OmegaConf and validated
 once; every problem is reported together, naming the key path and the valid keys (the same
@@ -20,9 +20,8 @@ from typing import Any, Literal
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from specforge.config import ConfigError, TargetConfig, compose
-from specforge_plugins.confidence import DSparkHeadConfig
-from specforge_plugins.heads import HeadConfig
+from specforge.config import ConfigError, SectionError, TargetConfig, compose
+from specforge.registry import ComponentKind
 
 __all__ = ["PRESETS", "TrainConfig", "TrainConfigError", "load_train_config", "train_preset_names"]
 
@@ -42,7 +41,7 @@ class _Section(BaseModel):
 
 
 class RegenerateConfig(_Section):
-    """Replace the dataset's answers by the target's own (SPEC §7.2) before training."""
+    """Replace the dataset's answers by the target's own (docs/data.md) before training."""
 
     enabled: bool = Field(False, description="answer the user turns with the target first")
     turns: Literal["first", "all"] = Field("first", description="answer only the first user turn, or every turn")
@@ -74,44 +73,15 @@ class FeaturesConfig(_Section):
     shuffle_window: int = Field(4, ge=1, description="shards whose sequences are shuffled together (offline)")
 
 
-class CorrectionHeadSpec(HeadConfig):
-    """A correction head: ``name`` plus that head's own parameters (``rank``, ``seed``, …)."""
+class DrafterSection(BaseModel):
+    """``name``: a registered drafter with a training method; every other key is that method's
+    (validated against its ``config`` model once the plug-ins are loaded)."""
 
-    name: Literal["none", "markov", "gated", "rnn"] = "markov"
+    model_config = ConfigDict(extra="allow")
+    name: str = Field("dspark", description="the drafter to train (one registered with training=...)")
 
-    def head_config(self) -> HeadConfig:
-        return HeadConfig.model_validate(self.model_dump(exclude={"name"}))
-
-
-class ConfidenceSpec(DSparkHeadConfig):
-    name: Literal["none", "dspark-head"] = "dspark-head"
-
-    def head_config(self) -> DSparkHeadConfig:
-        return DSparkHeadConfig.model_validate(self.model_dump(exclude={"name"}))
-
-
-class DrafterSection(_Section):
-    layers: int = Field(2, ge=1, description="draft transformer layers")
-    gamma: int = Field(7, ge=1, description="draft positions per block")
-    target_layers: list[int] | None = Field(None, description="tapped target layers; None: 5 spread from 1 to L-3")
-    head: CorrectionHeadSpec = Field(default_factory=CorrectionHeadSpec)
-    confidence: ConfidenceSpec = Field(default_factory=ConfidenceSpec)
-    seed: int = Field(0, description="seed of the backbone's initialisation")
-    norm_init_scale: float | None = Field(
-        0.1, gt=0, description="initial final-norm weights: this times the target's final norm "
-                               "(the scale its LM head was trained on); None: ones")
-
-    @model_validator(mode="after")
-    def _tie(self) -> DrafterSection:
-        if self.confidence.name != "none" and self.confidence.embedding == "head" and self.head.name == "none":
-            raise ValueError("confidence.embedding='head' ties to the correction head's W1; head.name is 'none'")
-        return self
-
-
-class LossConfig(_Section):
-    ce_weight: float = Field(0.1, ge=0)
-    tv_weight: float = Field(0.9, ge=0)
-    conf_weight: float = Field(1.0, ge=0)
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
 
 
 class OptimizerConfig(_Section):
@@ -153,7 +123,6 @@ class TrainConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     features: FeaturesConfig = Field(default_factory=FeaturesConfig)
     drafter: DrafterSection = Field(default_factory=DrafterSection)
-    loss: LossConfig = Field(default_factory=LossConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=lambda: ScheduleConfig(total_steps=300))
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; None: no clipping")
@@ -168,17 +137,33 @@ class TrainConfig(_Section):
                           "about a minute to compile); None: only for vocabularies of 8192 or more")
     output: OutputConfig = Field(default_factory=OutputConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_moved(cls, raw: Any) -> Any:
+        """Configs (and checkpoints) from before training was a plug-in contract kept DSpark's
+        loss weights in a top-level ``loss`` section; they now belong to the method."""
+        if isinstance(raw, dict) and isinstance(raw.get("loss"), dict):
+            raw = dict(raw)
+            drafter = dict(raw.get("drafter") or {})
+            drafter["loss"] = {**raw.pop("loss"), **drafter.get("loss", {})}
+            raw["drafter"] = drafter
+        return raw
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    def training_method(self) -> tuple[Any, BaseModel]:
+        """The drafter's registered training method and its validated ``drafter.*`` config."""
+        return _resolve_drafter(self.drafter)
+
 
 # What every preset shares: SmolLM2 in bf16 answering ShareGPT itself, a bf16 offline cache and
-# a DSpark drafter with γ = 7, the Markov head and the confidence head (rank 256, SPEC §5).
+# a DSpark drafter with γ = 7, the Markov head and the confidence head (rank 256, docs/design/drafters.md).
 _COMMON: dict[str, Any] = {
     "target": {"model": "smollm2", "dtype": "bfloat16"},
     "data": {"source": "sharegpt", "regenerate": {"enabled": True, "turns": "first"}},
     "features": {"mode": "offline", "dtype": "bfloat16", "sequences_per_shard": 64},
-    "drafter": {"layers": 2, "gamma": 7, "head": {"name": "markov", "rank": 256},
+    "drafter": {"name": "dspark", "layers": 2, "gamma": 7, "head": {"name": "markov", "rank": 256},
                 "confidence": {"name": "dspark-head", "rank": 256}},
     # 2e-3 and a small initial output norm: in a 24-step A/B on the quick data (held-out τ̂ 1.30
     # vs 1.20 for 6e-4 with unit norm weights) — short runs need the fast start.
@@ -235,22 +220,68 @@ def _valid_keys(model: type[BaseModel], path: list[str]) -> list[str]:
     return list(model.model_fields)
 
 
-def validate_train_config(raw: dict[str, Any], source: str = "") -> TrainConfig:
-    """Validate a composed dict; one :class:`ConfigError` naming every bad key path."""
+def _problems(exc: ValidationError, model: type[BaseModel], prefix: list[str]) -> list[str]:
+    problems = []
+    for err in exc.errors():
+        loc = prefix + [str(x) for x in err["loc"]]
+        path = ".".join(loc) or "(top level)"
+        nested = (err.get("ctx") or {}).get("error")
+        if isinstance(nested, SectionError):  # a sub-section checked against its own model
+            problems += [f"{'.'.join([*loc, key]) if key else path}: {msg}" for key, msg in nested.problems]
+        elif err["type"] == "extra_forbidden":
+            inner = [str(x) for x in err["loc"]][:-1]
+            valid = _valid_keys(model, inner)
+            if model is not TrainConfig and not inner:
+                valid = ["name", *valid]
+            problems.append(f"{path}: unknown key; valid keys: {', '.join(valid)}")
+        elif err["type"] == "missing":
+            problems.append(f"{path}: required key is missing")
+        else:
+            problems.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
+    return problems
+
+
+def _resolve_drafter(section: DrafterSection) -> tuple[Any, BaseModel]:
+    """The registered training method of ``drafter.name`` and its validated options."""
+    from specforge.plugins import get_host
+
+    host = get_host()
+    drafters = host.registry.of_kind(ComponentKind.DRAFTER)
+    trainable = sorted(n for n, r in drafters.items() if r.metadata.training is not None)
+    reg = drafters.get(section.name)
+    if reg is None or reg.metadata.training is None:
+        what = "an unknown drafter" if reg is None else "a drafter without a training method"
+        raise TrainConfigError([f"drafter.name: {section.name!r} is {what}; trainable drafters: "
+                                f"{', '.join(trainable) or '(none)'}"])
+    method = reg.metadata.training
     try:
-        return TrainConfig.model_validate(raw)
+        return method, method.config.model_validate(section.options())
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            loc = [str(x) for x in err["loc"]]
-            path = ".".join(loc) or "(top level)"
-            if err["type"] == "extra_forbidden":
-                problems.append(f"{path}: unknown key; valid keys: {', '.join(_valid_keys(TrainConfig, loc[:-1]))}")
-            elif err["type"] == "missing":
-                problems.append(f"{path}: required key is missing")
-            else:
-                problems.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
-        raise TrainConfigError(problems, source) from None
+        raise TrainConfigError(_problems(exc, method.config, ["drafter"])) from None
+
+
+def validate_train_config(raw: dict[str, Any], source: str = "") -> TrainConfig:
+    """Validate a composed dict; one :class:`ConfigError` naming every bad key path.
+
+    The ``drafter`` section is checked against its method's own config model (its problems are
+    reported with the others), and stored with every default filled in (what a checkpoint
+    records)."""
+    problems: list[str] = []
+    config = options = None
+    try:
+        config = TrainConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems += [p for p in _problems(exc, TrainConfig, []) if not p.startswith("drafter.")]
+    try:
+        _, options = _resolve_drafter(DrafterSection.model_validate(TrainConfig._loss_moved(raw).get("drafter") or {}))
+    except TrainConfigError as exc:
+        problems += exc.problems
+    except ValidationError as exc:
+        problems += _problems(exc, DrafterSection, ["drafter"])
+    if problems or config is None or options is None:
+        raise TrainConfigError(problems, source)
+    drafter = DrafterSection.model_validate({"name": config.drafter.name, **options.model_dump(mode="json")})
+    return config.model_copy(update={"drafter": drafter})
 
 
 def load_train_config(sources: list[str] | str = "quick", overrides: list[str] | None = None) -> TrainConfig:

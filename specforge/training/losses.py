@@ -1,4 +1,4 @@
-"""DSpark's training objective (SPEC §5 "Loss", paper §3.3 eq. 9–12).
+"""DSpark's training objective (paper §3.3 eq. 9–12; docs/training.md#how-training-works).
 
 For each block b and draft position k (1-based in prose, 0-based in tensors)::
 
@@ -13,12 +13,12 @@ The paper position-weights all three terms ("All three are position-weighted by 
 do we.  Each term is summed over the supervised positions of a block and averaged over the blocks
 that have at least one, so a term is "per block" as in the paper whatever the batch size.
 
-Only the contiguous valid prefix of each block is supervised (SPEC §5): position k counts iff
+Only the contiguous valid prefix of each block is supervised (docs/training.md): position k counts iff
 positions 1..k are all inside the sequence and the loss mask.  Positions after a hole never count
 — their label would be the continuation of a text that prefix-based verification never reaches.
 
 The teacher p_t is the target's last hidden state through the frozen LM head, softmaxed in float32,
-at the sampled positions only (:func:`teacher_probs`): only hidden states travel (SPEC §7.3).
+at the sampled positions only (:func:`teacher_probs`): only hidden states travel (paper §5.1).
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
-"""The DSpark drafter trainer (SPEC §7.5): packed anchors → backbone → correction head →
-confidence head → DSpark loss, with AdamW, warmup + cosine, clipping, checkpoints and torchrun.
+"""The drafter trainer: any drafter registered with a training method
+(:mod:`specforge.training.contract`), with AdamW, warmup + cosine, clipping, checkpoints and
+torchrun.
 
 One step on a global batch of ``batch.sequences`` sequences (rank r takes sequences r, r+W, …):
 
 1. each sequence's anchors are drawn from its own seeded generator (:func:`.data.anchors_for`);
-2. :func:`~specforge.features.pack_blocks` lays the blocks out; the backbone drafts them all in
-   one pass over the fused taps of the batch's sequences (``ctx_index`` maps block → sequence);
-3. the correction head runs teacher-forced on the true previous tokens, the confidence head on
-   the same inputs;
-4. p_t is the target's last hidden state at the teacher rows through the frozen LM head (fp32
+2. :func:`~specforge.features.pack_blocks` lays the blocks out as the method's
+   :class:`~specforge.training.contract.DataNeeds` ask, over the taps of the batch's sequences
+   (``ctx_index`` maps block → sequence);
+3. p_t is the target's last hidden state at the teacher rows through the frozen LM head (fp32
    softmax), computed only at supervised positions;
+4. the method's module runs on the :class:`~specforge.training.contract.TrainBatch` and its loss
+   gives a :class:`~specforge.training.contract.LossOutput`;
 5. the loss of rank r is rescaled by ``blocks_r · W / blocks_global`` so that DDP's gradient
    *mean* equals the single-process gradient of the loss averaged over all blocks, and every
    logged metric is a global sum / global count: logs match a single process up to float noise.
@@ -44,15 +46,12 @@ from specforge.training.checkpoint import (
     write_checkpoint,
 )
 from specforge.training.config import TrainConfig, TrainConfigError
+from specforge.training.contract import DraftTraining, LossOutput, TrainBatch, empty_loss
 from specforge.training.data import FeatureSource, anchors_for, build_source, epoch_order
 from specforge.training.distributed import DistContext, init_distributed
-from specforge.training.losses import dspark_loss, teacher_probs
-from specforge_plugins.confidence import DSparkConfidence
-from specforge_plugins.drafters.block import MASK, BlockBackbone, BlockDrafterConfig, SharedWeights
-from specforge_plugins.drafters.block.checkpoint import load_drafter, save_drafter
-from specforge_plugins.heads import HEADS
+from specforge.training.losses import teacher_probs
 
-__all__ = ["DrafterModule", "Trainer", "lr_at"]
+__all__ = ["Trainer", "lr_at"]
 
 
 def lr_at(step: int, config: TrainConfig, total: int) -> float:
@@ -63,25 +62,6 @@ def lr_at(step: int, config: TrainConfig, total: int) -> float:
     span = max(1, total - s.warmup_steps)
     progress = min(1.0, (step - s.warmup_steps) / span)
     return s.min_lr + 0.5 * (o.lr - s.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-class DrafterModule(nn.Module):
-    """The trainable drafter as one module, so DDP wraps (and all-reduces) all of it at once."""
-
-    def __init__(self, backbone: BlockBackbone, head: nn.Module | None, confidence: nn.Module | None) -> None:
-        super().__init__()
-        self.backbone, self.head, self.confidence = backbone, head, confidence
-
-    def forward(self, batch: dict[str, Tensor] | None) -> tuple[Tensor, Tensor | None] | Tensor:
-        if batch is None:
-            # A rank whose sequences gave no block still joins the gradient all-reduce (zeros).
-            return sum(p.sum() for p in self.parameters()) * 0.0
-        hidden, logits = self.backbone(batch["block_ids"], batch["ctx"], batch["anchor_pos"],
-                                       ctx_valid=batch["ctx_valid"], ctx_index=batch["ctx_index"])
-        if self.head is not None:
-            logits = self.head.forward_train(logits, batch["prev_ids"], hidden)
-        conf = None if self.confidence is None else self.confidence.logits(hidden, batch["prev_ids"])
-        return logits, conf
 
 
 class Trainer:
@@ -98,36 +78,19 @@ class Trainer:
             from specforge.target import TargetModel
             target = TargetModel.load(c.target.model, c.target.dtype)
         self.target = target
-        d = c.drafter
-        self.block_config = BlockDrafterConfig.from_model_args(
-            target.args, draft_layers=d.layers, gamma=d.gamma,
-            target_layers=tuple(d.target_layers) if d.target_layers is not None else None)
-        layer_ids = list(self.block_config.tap_layers)
+        dev = self.dist.device
+        method_cls, options = c.training_method()
+        self.method: DraftTraining = method_cls(options, target, dev)
+        self.needs = self.method.needs()
+        layer_ids = list(self.needs.layers)
         self.source = source if source is not None else build_source(c, target, layer_ids, self.out_dir, self.dist,
                                                                       self.log)
         if list(self.source.layer_ids) != layer_ids:
-            raise TrainConfigError([f"drafter.target_layers: the feature source taps layers "
-                                    f"{list(self.source.layer_ids)}; the drafter wants {layer_ids}"])
-
-        dev = self.dist.device
+            raise TrainConfigError([f"drafter: the feature source taps layers {list(self.source.layer_ids)}; "
+                                    f"the drafter wants {layer_ids}"])
         self.bf16 = c.dtype == "bfloat16" or (c.dtype == "auto" and dev.type == "cuda")
-        rt = target.runtime
-        self.shared = SharedWeights.from_target(rt)
-        if dev.type != "cpu":  # the drafter reads the target's frozen tensors on its own device
-            self.shared = SharedWeights(rt.embed.to(dev), rt.lm_head.to(dev), self.shared.embed_scale,
-                                        None if rt.inv_freq is None else rt.inv_freq.to(dev), self.shared.rope_scaling)
-        backbone = BlockBackbone(self.block_config, self.shared, seed=d.seed)
-        if d.norm_init_scale is not None:  # the frozen LM head was trained on the target's norm's scale
-            with torch.no_grad():
-                backbone.norm.weight.copy_(d.norm_init_scale * rt.norm.detach().float())
-        head = None if d.head.name == "none" else HEADS[d.head.name](d.head.head_config())
-        confidence = None if d.confidence.name == "none" else DSparkConfidence(d.confidence.head_config())
-        for m in (head, confidence):
-            if m is not None:
-                m.bind(target)
-        if confidence is not None and confidence.config.embedding == "head":
-            confidence.tie(head)
-        self.module = DrafterModule(backbone, head, confidence).to(dev)
+        self.lm_head = target.runtime.lm_head.to(dev)  # p_t: the target's own law, frozen
+        self.module = self.method.module
         self.model: nn.Module = (DistributedDataParallel(self.module, device_ids=[dev] if dev.type == "cuda" else None)
                                  if self.dist.enabled else self.module)
         self.param_names = {id(p): n for n, p in self.module.named_parameters()}
@@ -157,6 +120,7 @@ class Trainer:
         self.total_steps = s.total_steps or max(1, round(s.epochs * self.steps_per_epoch))
         self.step, self.epoch, self.batch_index = 0, 0, 0
         self._loss_fn = self._choose_loss(target.args.vocab_size)
+        self._metric_keys = self._metric_layout()
         self._order: tuple[int, list[int]] | None = None
         self.history: list[dict[str, Any]] = []
         self.resumed_from: Path | None = None
@@ -164,27 +128,33 @@ class Trainer:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _choose_loss(self, vocab: int) -> Callable[..., Any]:
-        """The loss, compiled when that pays: it makes ~10 elementwise passes over [blocks, γ, V]
-        tensors, which inductor fuses into a few; with a small vocabulary compiling costs more
-        than it saves.  A compiler failure falls back to eager, with a message."""
+    def _choose_loss(self, vocab: int) -> Callable[[Any, TrainBatch], LossOutput]:
+        """The method's loss, compiled when that pays: a loss over ``[blocks, γ, V]`` tensors makes
+        many elementwise passes, which inductor fuses into a few; with a small vocabulary compiling
+        costs more than it saves.  A compiler failure falls back to eager, with a message."""
+        eager = self.method.loss
         wanted = self.config.compile
         if wanted is False or (wanted is None and vocab < 8192):
-            return dspark_loss
-        compiled = torch.compile(dspark_loss, dynamic=True)
+            return eager
+        compiled = torch.compile(eager, dynamic=True)
 
-        def loss(*args: Any, **kwargs: Any) -> Any:
+        def loss(outputs: Any, batch: TrainBatch) -> LossOutput:
             nonlocal compiled
             try:
-                return compiled(*args, **kwargs)
+                return compiled(outputs, batch)
             except Exception as exc:  # noqa: BLE001 - any backend error: train on, eagerly
-                if compiled is dspark_loss:
+                if compiled is eager:
                     raise
                 self.log(f"torch.compile of the loss failed ({type(exc).__name__}: {exc}); using eager")
-                compiled = dspark_loss
-                return dspark_loss(*args, **kwargs)
+                compiled = eager
+                return eager(outputs, batch)
 
         return loss
+
+    def _metric_layout(self) -> list[tuple[str, str]]:
+        """(kind, name) of every entry of the flat metric vector the ranks all-reduce."""
+        m = self.method.metrics
+        return [("mean", k) for k in m.means] + [("sum", k) for k in m.sums] + [("pos", k) for k in m.positions]
 
     def log(self, msg: str) -> None:
         if self.dist.is_main:
@@ -200,66 +170,80 @@ class Trainer:
         b = self.config.batch.sequences
         return self._epoch_order(epoch)[index * b:(index + 1) * b]
 
-    def _inputs(self, feats: Sequence[SequenceFeatures], anchors: list[Tensor]) -> dict[str, Tensor] | None:
-        dev = self.dist.device
-        gamma = self.block_config.gamma
-        mask_id = MASK if self.block_config.mask_token_id is None else self.block_config.mask_token_id
-        packed = pack_blocks(feats, gamma, anchors=anchors, mask_token_id=mask_id)
+    def _inputs(self, feats: Sequence[SequenceFeatures], anchors: list[Tensor]) -> TrainBatch | None:
+        dev, needs = self.dist.device, self.needs
+        gamma = needs.block
+        packed = pack_blocks(feats, gamma, anchors=anchors, mask_token_id=needs.mask_token_id)
         b = packed.num_blocks
         if b == 0:
             return None
         ctx = nn.utils.rnn.pad_sequence([f.taps.flatten(1) for f in feats], batch_first=True)
         lengths = torch.tensor([len(f) for f in feats])
         ctx_valid = torch.arange(ctx.shape[1])[None] < lengths[:, None]
-        hidden = torch.cat([f.hidden for f in feats])
         grid = lambda t: t.view(b, gamma).to(dev)  # noqa: E731 - trim=False: every block has γ slots
         valid = grid(packed.valid)
-        rows = grid(packed.teacher_rows)
-        # p_t only at supervised positions (the rest never enters the loss).
-        p_t = torch.zeros(b, gamma, self.shared.lm_head.shape[0], device=dev)
-        if valid.any():
-            with torch.no_grad():
-                p_t[valid] = teacher_probs(hidden.to(dev)[rows[valid]], self.shared.lm_head)
-        return {"block_ids": grid(packed.input_ids), "ctx": ctx.to(dev), "anchor_pos": packed.block_anchor.to(dev),
-                "ctx_valid": ctx_valid.to(dev), "ctx_index": packed.block_seq.to(dev),
-                "prev_ids": grid(packed.prev_ids), "labels": grid(packed.labels), "valid": valid, "p_t": p_t}
+        anchor_ids = grid(packed.input_ids)[:, 0]
+        block_ids = torch.full((b, needs.slots), needs.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[:, 0] = anchor_ids
+        p_t = None
+        if needs.teacher:  # only at supervised positions (the rest never enters the loss)
+            rows = grid(packed.teacher_rows)
+            hidden = torch.cat([f.hidden for f in feats])
+            p_t = torch.zeros(b, gamma, self.lm_head.shape[0], device=dev)
+            if valid.any():
+                with torch.no_grad():
+                    p_t[valid] = teacher_probs(hidden.to(dev)[rows[valid]], self.lm_head)
+        return TrainBatch(block_ids=block_ids, anchor_pos=packed.block_anchor.to(dev), anchor_ids=anchor_ids,
+                          labels=grid(packed.labels), prev_ids=grid(packed.prev_ids), valid=valid, ctx=ctx.to(dev),
+                          ctx_valid=ctx_valid.to(dev), ctx_index=packed.block_seq.to(dev), p_t=p_t)
 
     def _loss(self, indices: Sequence[int], epoch: int, train: bool) -> dict[str, float]:
         """Forward (and backward when ``train``) on this rank's share of ``indices``; global metrics."""
         c, dist = self.config, self.dist
         mine = list(indices)[dist.rank::dist.world]
         feats = self.source.get(mine) if mine else []
-        inputs = self._inputs(feats, anchors_for(feats, c.batch.anchors, c.seed, epoch)) if feats else None
-        gamma = self.block_config.gamma
+        batch = self._inputs(feats, anchors_for(feats, c.batch.anchors, c.seed, epoch)) if feats else None
         amp = torch.autocast(dist.device.type, dtype=torch.bfloat16, enabled=self.bf16)
         with torch.set_grad_enabled(train), amp, warnings.catch_warnings():
             # Under autocast RMSNorm gets bf16 activations and fp32 weights: correct, just unfused.
             warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
-            out = self.model(inputs)
-        if inputs is None:
-            loss_local, local = out, torch.zeros(8 + 2 * gamma, dtype=torch.float64)
+            out = self.model(batch)
+        if batch is None:
+            loss_local, res = out, empty_loss(self.method.metrics, self.needs.block, dist.device)
         else:
-            logits, conf = out
-            res = self._loss_fn(logits, inputs["labels"], inputs["p_t"], inputs["valid"], conf, gamma=gamma,
-                              ce_weight=c.loss.ce_weight, tv_weight=c.loss.tv_weight, conf_weight=c.loss.conf_weight)
-            blocks = res.mask[:, 0].sum()
-            loss_local = res.total * blocks
-            local = torch.cat([torch.stack([res.total * blocks, res.ce * blocks, res.tv * blocks, res.conf * blocks,
-                                            res.tau * blocks, blocks.float(),
-                                            torch.tensor(float(sum(len(f) for f in feats))),
-                                            res.mask.sum().float()]).detach().double().cpu(),
-                               res.c_star.sum(0).detach().double().cpu(), res.mask.sum(0).double().cpu()])
+            res = self._loss_fn(out, batch)
+            loss_local = res.total * res.blocks
+        # One flat float64 vector: Σ loss·blocks, blocks, tokens, each mean·blocks, each sum, then
+        # each per-slot sum and count; its all-reduce gives every metric as global sum / count.
+        blocks = res.blocks.float()
+        parts = [res.total * blocks, blocks, torch.tensor(float(sum(len(f) for f in feats)), device=blocks.device)]
+        parts += [res.means[k] * blocks for kind, k in self._metric_keys if kind == "mean"]
+        parts += [res.sums[k] for kind, k in self._metric_keys if kind == "sum"]
+        flat = [torch.stack([t.float() for t in parts])]
+        flat += [t for kind, k in self._metric_keys if kind == "pos" for t in res.positions[k]]
+        local = torch.cat([t.detach().double().cpu().reshape(-1) for t in flat])
         sums = dist.all_reduce_sum(local.to(dist.device)).cpu()
-        blocks_global = max(1.0, float(sums[5]))
+        blocks_global = max(1.0, float(sums[1]))
         if train:
             # Σ_blocks loss / global blocks, times W because DDP averages the ranks' gradients.
             (loss_local * (dist.world / blocks_global)).backward()
-        acc = sums[8:8 + gamma] / sums[8 + gamma:].clamp_min(1)
-        out_m = {"loss": float(sums[0]) / blocks_global, "ce": float(sums[1]) / blocks_global,
-                 "tv": float(sums[2]) / blocks_global, "conf": float(sums[3]) / blocks_global,
-                 "tau": float(sums[4]) / blocks_global, "blocks": int(sums[5]), "tokens": int(sums[6]),
-                 "supervised": int(sums[7])}
-        out_m.update({f"accept_rate@{k + 1}": float(v) for k, v in enumerate(acc)})
+        out_m: dict[str, Any] = {"loss": float(sums[0]) / blocks_global}
+        i = 3
+        for kind, k in self._metric_keys:
+            if kind == "mean":
+                out_m[k] = float(sums[i]) / blocks_global
+                i += 1
+        out_m.update({"blocks": int(sums[1]), "tokens": int(sums[2])})
+        for kind, k in self._metric_keys:
+            if kind == "sum":
+                out_m[k] = int(sums[i]) if float(sums[i]).is_integer() else float(sums[i])
+                i += 1
+        gamma = self.needs.block
+        for kind, k in self._metric_keys:
+            if kind == "pos":
+                rate = sums[i:i + gamma] / sums[i + gamma:i + 2 * gamma].clamp_min(1)
+                out_m.update({f"{k}@{j + 1}": float(v) for j, v in enumerate(rate)})
+                i += 2 * gamma
         return out_m
 
     # -- the loop -------------------------------------------------------------------------------
@@ -340,13 +324,8 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def _drafter_meta(self) -> dict[str, Any]:
-        return {"kind": "dspark", "gamma": self.block_config.gamma, "target": self.config.target.model,
-                "trained_steps": self.step}
-
     def _write_drafter(self, directory: Path) -> None:
-        m = self.module
-        save_drafter(directory, m.backbone, m.head, m.confidence, self._drafter_meta())
+        self.method.save(directory, {"target": self.config.target.model, "trained_steps": self.step})
 
     def export(self, directory: Path) -> Path:
         """The trained drafter alone (for eval and inference), replaced atomically."""
@@ -377,14 +356,7 @@ class Trainer:
         return path
 
     def load_state(self, ckpt: Checkpoint) -> None:
-        backbone, head, confidence, _ = load_drafter(ckpt.drafter_dir)
-        m = self.module
-        for mine, loaded, name in ((m.backbone, backbone, "backbone"), (m.head, head, "head"),
-                                   (m.confidence, confidence, "confidence")):
-            if (mine is None) != (loaded is None):
-                raise CheckpointError(f"{ckpt.path}: the checkpoint's {name} does not match the config")
-            if mine is not None:
-                mine.load_state_dict(loaded.state_dict())
+        self.method.load(ckpt.drafter_dir)
         optimizer_from_tensors(self.optimizer, self.param_names, ckpt.optimizer, ckpt.state["optimizer"])
         rng_restore(ckpt.rng, ckpt.state["rng"])
         st = ckpt.state

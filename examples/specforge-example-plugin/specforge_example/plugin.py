@@ -1,4 +1,5 @@
-"""A third-party scheduler, registered exactly as specforge's own components are.
+"""Two third-party components, registered exactly as specforge's own are: a scheduler, and a
+drafter that ``specforge train`` can train (:mod:`specforge_example.hidden_head`).
 
 ``budget`` caps the number of draft tokens the target verifies per round across the whole batch
 — useful when a serving stack gives speculation a fixed slice of every forward pass.  The budget
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from specforge import hookimpl
+from specforge_example.hidden_head import HiddenHeadConfig, HiddenHeadDrafter, HiddenHeadTraining
 
 
 class BudgetConfig(BaseModel):
@@ -52,4 +54,17 @@ def specforge_register_schedulers(register):
         config=BudgetConfig,
         reads=["confidence"],
         description="verify the N most likely-to-survive draft tokens of the batch",
+    )
+
+
+@hookimpl
+def specforge_register_drafters(register):
+    register(
+        "hidden-head",
+        HiddenHeadDrafter,
+        config=HiddenHeadConfig,
+        training=HiddenHeadTraining,  # what makes `specforge train drafter.name=hidden-head` work
+        provides=["probs", "logits"],
+        examples=[{}, {"seed": 1}],
+        description="one linear layer over the target's last hidden state and the anchor; drafts 1 token",
     )

@@ -1,4 +1,4 @@
-"""The parallel block drafter shared by DSpark and DFlash (SPEC §5): config, backbone, checkpoints.
+"""The parallel block drafter of DSpark and DFlash (docs/design/drafters.md): config, backbone, checkpoints.
 
 Engine-facing drafter plug-ins (``dspark``, ``dflash``) build on these pieces; this package
 registers nothing itself.

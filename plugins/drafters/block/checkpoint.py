@@ -2,7 +2,8 @@
 
 Layout of a checkpoint directory::
 
-    config.json        {"format", "version", "backbone": {...}, "head": {"name", "config"} | null,
+    config.json        {"format", "version", "method", "target",
+                        "backbone": {...}, "head": {"name", "config"} | null,
                         "confidence": {"name", "config"} | null, "drafter": {...}}
     model.safetensors  "backbone.*", "head.*", "confidence.*" tensors
 
@@ -16,16 +17,22 @@ import json
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specforge.errors import SpecforgeError
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.model import BlockBackbone
 
-__all__ = ["FORMAT", "VERSION", "load_drafter", "save_drafter"]
+__all__ = ["FORMAT", "VERSION", "DrafterCheckpointError", "load_drafter", "save_drafter"]
 
 FORMAT, VERSION = "specforge-block-drafter", 1
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
+
+
+class DrafterCheckpointError(SpecforgeError, ValueError):
+    """A drafter directory that is missing, damaged or of another format (the message says which)."""
 
 
 def _classes() -> dict[str, type]:
@@ -34,6 +41,10 @@ def _classes() -> dict[str, type]:
     from specforge_plugins.heads import HEADS
 
     return {**HEADS, "dspark-head": DSparkConfidence}
+
+
+def _layout_name(config: BlockDrafterConfig) -> str:
+    return "dspark" if config.predict_anchor else "dflash"
 
 
 def _spec(module: nn.Module | None) -> dict[str, Any] | None:
@@ -49,12 +60,16 @@ def _spec(module: nn.Module | None) -> dict[str, Any] | None:
 
 
 def save_drafter(directory: str | Path, backbone: BlockBackbone, head: nn.Module | None = None,
-                 confidence: nn.Module | None = None, config: dict[str, Any] | None = None) -> Path:
+                 confidence: nn.Module | None = None, config: dict[str, Any] | None = None, *,
+                 method: str | None = None, target: str | None = None) -> Path:
     """Write ``backbone`` (+ correction ``head`` + ``confidence`` head) and a drafter-level
-    ``config`` (free-form JSON: γ policy, provenance, …) into ``directory``."""
+    ``config`` (free-form JSON: γ policy, provenance, …) into ``directory``.  ``method`` (the
+    training method, ``dspark``/``dflash``) and ``target`` (the target it was trained for) are
+    recorded at the top of config.json; checkpoints written before they existed load too."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    meta = {"format": FORMAT, "version": VERSION, "backbone": backbone.config.model_dump(mode="json"),
+    meta = {"format": FORMAT, "version": VERSION, "method": method or _layout_name(backbone.config),
+            "target": target, "backbone": backbone.config.model_dump(mode="json"),
             "head": _spec(head), "confidence": _spec(confidence), "drafter": config or {}}
     json.dumps(meta)  # fail before writing anything if the drafter config is not JSON
     tensors = {}
@@ -74,11 +89,21 @@ def load_drafter(directory: str | Path) -> tuple[BlockBackbone, nn.Module | None
     ``bind(SharedWeights.from_target(target))`` before it runs.
     """
     directory = Path(directory)
-    meta = json.loads((directory / CONFIG).read_text())
+    try:
+        meta = json.loads((directory / CONFIG).read_text())
+    except FileNotFoundError:
+        raise DrafterCheckpointError(f"{directory}: no drafter checkpoint here (no {CONFIG})") from None
+    except (OSError, ValueError) as exc:
+        raise DrafterCheckpointError(f"{directory / CONFIG}: unreadable ({exc}); train or export the "
+                                     "drafter again") from None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(f"{directory}: not a {FORMAT} v{VERSION} checkpoint "
-                         f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
-    tensors = load_file(str(directory / WEIGHTS))
+        raise DrafterCheckpointError(f"{directory}: not a {FORMAT} v{VERSION} checkpoint "
+                                     f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
+    try:
+        tensors = load_file(str(directory / WEIGHTS))
+    except (OSError, SafetensorError) as exc:
+        raise DrafterCheckpointError(f"{directory / WEIGHTS}: missing or damaged ({exc}); train or export the "
+                                     "drafter again") from None
 
     def part(prefix: str) -> dict[str, Any]:
         return {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}

@@ -1,4 +1,4 @@
-"""Configuration of the parallel block-drafter backbone shared by DSpark and DFlash (SPEC §5).
+"""Configuration of the block-drafter backbone shared by DSpark and DFlash (docs/design/drafters.md).
 
 The draft layers copy the *shape* of a target layer (heads, KV heads, head dim, MLP width), so the
 config is read off the target's :class:`~specforge.target.args.ModelArgs`; what is the drafter's
@@ -15,7 +15,7 @@ __all__ = ["BlockDrafterConfig", "default_tap_layers"]
 
 
 def default_tap_layers(n_target_layers: int, count: int = 5) -> tuple[int, ...]:
-    """``count`` target layers spread evenly from layer 1 to L−3 (SPEC §5; DFlash's rule).
+    """``count`` target layers spread evenly from layer 1 to L−3 (DFlash's rule; docs/design/drafters.md).
 
     Ids are 0-based layer indices whose *output* (the residual stream after that layer) is
     tapped.  Rounding can repeat a layer on shallow targets; repeats are dropped because a
@@ -34,7 +34,7 @@ class BlockDrafterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # --- the target's shape (SPEC §5: draft layers have the target layer's shape) ---
+    # --- the target's shape (draft layers have the target layer's shape; docs/design/drafters.md) ---
     vocab_size: int = Field(ge=1)
     dim: int = Field(ge=1, description="hidden size d of the target (and of the drafter)")
     n_heads: int = Field(ge=1)

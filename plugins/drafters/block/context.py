@@ -1,7 +1,7 @@
 """The draft-side context cache of a block drafter: per request, the K/V of its fused target context.
 
 Each draft layer prepends its own K/V projections of ``ctx = RMSNorm(W_c [H(l1);…;H(lm)])`` to
-the block's keys (SPEC §5).  Those projections depend only on the committed token at each
+the block's keys (paper §2.2 eq. 3).  Those projections depend only on the committed token at each
 position, so they are computed once, when the engine hands over that position's target features,
 and kept here until the request ends.  Only committed positions ever arrive (the engine taps the
 rows its own KV cache keeps), so the cache only grows: there is nothing to roll back.

@@ -1,4 +1,4 @@
-"""The parallel block-drafter backbone of DSpark and DFlash (SPEC §5, paper §3.1).
+"""The parallel block-drafter backbone of DSpark and DFlash (paper §2.2, §3.1; docs/design/drafters.md).
 
 One forward pass drafts a whole block.  Target features of m tapped layers are fused into a
 context ``ctx = RMSNorm(W_c [H(l1);…;H(lm)])``; every draft layer prepends its own K/V
@@ -121,7 +121,7 @@ class DraftLayer(nn.Module):
             q = self.q_norm(q)
         q = rotate(q, cos, sin)
         k_blk, v_blk = self.kv(h, cos, sin)
-        # K = [W_K ctx ; W_K h_blk], V likewise (SPEC §5); heads first for SDPA.
+        # K = [W_K ctx ; W_K h_blk], V likewise (paper eq. 3); heads first for SDPA.
         k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)
         v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
         rep = c.n_heads // c.n_kv_heads

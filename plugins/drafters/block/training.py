@@ -1,0 +1,217 @@
+"""Training the block drafters (``dspark``, ``dflash``) through the training contract.
+
+The method trains the backbone together with the pipeline components DSpark's round runs after
+it — a trainable correction head (``markov``, ``gated``, ``rnn``, or any registered head marked
+``trainable``) and the ``dspark-head`` confidence estimator — as one module, on DSpark's
+objective (paper §3.3, eq. 9–12; :func:`specforge.training.losses.dspark_loss`):
+
+1. the backbone drafts every packed block in one pass over the fused taps of the batch's
+   sequences;
+2. the correction head runs teacher-forced on the true previous tokens, the confidence head on
+   the same inputs;
+3. the loss compares the corrected draft law with the target's p_t at the supervised slots.
+
+The checkpoint is :mod:`~specforge_plugins.drafters.block.checkpoint`'s format, which the
+``dspark``/``dflash`` drafters load; :meth:`BlockTraining.pipeline` says which head and
+confidence settings serve it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from torch import Tensor, nn
+
+from specforge.config import SectionError
+from specforge.plugins import get_host
+from specforge.registry import ComponentKind
+from specforge.training.contract import DataNeeds, LossOutput, MetricNames, TrainBatch
+from specforge.training.losses import dspark_loss
+from specforge_plugins.drafters.block.checkpoint import DrafterCheckpointError, load_drafter, save_drafter
+from specforge_plugins.drafters.block.config import BlockDrafterConfig
+from specforge_plugins.drafters.block.model import MASK, BlockBackbone, SharedWeights
+
+__all__ = ["BlockTrainConfig", "BlockTraining", "DFlashTraining", "DrafterModule", "LossWeights"]
+
+NONE = "none"  # no correction head / no confidence head
+
+
+class LossWeights(BaseModel):
+    """λ of L = λ_ce·L_ce + λ_tv·L_tv + λ_conf·L_conf (paper eq. 12)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ce_weight: float = Field(0.1, ge=0)
+    tv_weight: float = Field(0.9, ge=0)
+    conf_weight: float = Field(1.0, ge=0)
+
+
+def _component(kind: ComponentKind, value: Any, default: str) -> dict[str, Any]:
+    """``{"name": …, <that component's keys>}`` validated against its registration; the result
+    carries every key with its default, as the checkpoint's training config records it."""
+    if not isinstance(value, dict):
+        raise SectionError([("", f"expected a mapping with a name, got {value!r}")])
+    raw = dict(value)
+    name = raw.pop("name", default)
+    if name == NONE and not raw:
+        return {"name": NONE}
+    host = get_host()
+    trainable = [n for n, r in host.registry.of_kind(kind).items() if getattr(r.metadata, "trainable", False)]
+    if name not in trainable:
+        raise SectionError([("name", f"{name!r} is not a trainable {kind.label}; choose one of: "
+                                     f"{', '.join(sorted(trainable + [NONE]))}")])
+    model = host.get(kind, name).config
+    try:
+        config = model.model_validate(raw)
+    except ValidationError as exc:
+        valid = ", ".join(["name", *model.model_fields])
+        raise SectionError([(".".join(map(str, e["loc"])), f"unknown key; valid keys: {valid}"
+                             if e["type"] == "extra_forbidden" else e["msg"]) for e in exc.errors()]) from None
+    return {"name": name, **config.model_dump(mode="json")}
+
+
+class BlockTrainConfig(BaseModel):
+    """The ``drafter.*`` keys of a training config for ``dspark`` and ``dflash``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    layers: int = Field(2, ge=1, description="draft transformer layers")
+    gamma: int = Field(7, ge=1, description="draft positions per block")
+    target_layers: list[int] | None = Field(None, description="tapped target layers; None: 5 spread from 1 to L-3")
+    head: dict[str, Any] = Field(default_factory=lambda: {"name": "markov"},
+                                 description="correction head trained with the backbone: name + its keys, or none")
+    confidence: dict[str, Any] = Field(default_factory=lambda: {"name": "dspark-head"},
+                                       description="confidence head trained with it: dspark-head + its keys, or none")
+    seed: int = Field(0, description="seed of the backbone's initialisation")
+    norm_init_scale: float | None = Field(
+        0.1, gt=0, description="initial final-norm weights: this times the target's final norm "
+                               "(the scale its LM head was trained on); None: ones")
+    loss: LossWeights = Field(default_factory=LossWeights)
+
+    @field_validator("head", mode="before")
+    @classmethod
+    def _head(cls, value: Any) -> dict[str, Any]:
+        return _component(ComponentKind.CORRECTION_HEAD, value, "markov")
+
+    @field_validator("confidence", mode="before")
+    @classmethod
+    def _confidence(cls, value: Any) -> dict[str, Any]:
+        return _component(ComponentKind.CONFIDENCE, value, "dspark-head")
+
+    @model_validator(mode="after")
+    def _tie(self) -> BlockTrainConfig:
+        if self.confidence.get("embedding") == "head" and self.head["name"] == NONE:
+            raise ValueError("confidence.embedding='head' ties to the correction head's W1; head.name is 'none'")
+        return self
+
+
+class DrafterModule(nn.Module):
+    """Backbone, correction head and confidence head as one module, so DDP wraps (and
+    all-reduces) all of it at once."""
+
+    def __init__(self, backbone: BlockBackbone, head: nn.Module | None, confidence: nn.Module | None) -> None:
+        super().__init__()
+        self.backbone, self.head, self.confidence = backbone, head, confidence
+
+    def forward(self, batch: TrainBatch | None) -> tuple[Tensor, Tensor | None] | Tensor:
+        if batch is None:
+            # A rank whose sequences gave no block still joins the gradient all-reduce (zeros).
+            return sum(p.sum() for p in self.parameters()) * 0.0
+        hidden, logits = self.backbone(batch.block_ids, batch.ctx, batch.anchor_pos, ctx_valid=batch.ctx_valid,
+                                       ctx_index=batch.ctx_index)
+        if self.head is not None:
+            logits = self.head.forward_train(logits, batch.prev_ids, hidden)
+        conf = None if self.confidence is None else self.confidence.logits(hidden, batch.prev_ids)
+        return logits, conf
+
+
+class BlockTraining:
+    """One training run of a DSpark-layout block drafter (see the module docstring)."""
+
+    method = "dspark"
+    predict_anchor = True
+    config = BlockTrainConfig
+    metrics = MetricNames(means=("ce", "tv", "conf", "tau"), sums=("supervised",), positions=("accept_rate",))
+
+    def __init__(self, config: BlockTrainConfig, target: Any, device: torch.device | str = "cpu") -> None:
+        self.settings = config
+        self.target_name = str(target.name)
+        self.block_config = BlockDrafterConfig.from_model_args(
+            target.args, draft_layers=config.layers, gamma=config.gamma, predict_anchor=self.predict_anchor,
+            target_layers=tuple(config.target_layers) if config.target_layers is not None else None)
+        rt = target.runtime
+        shared = SharedWeights.from_target(rt)
+        if torch.device(device).type != "cpu":  # the drafter reads the target's frozen tensors on its device
+            shared = SharedWeights(rt.embed.to(device), rt.lm_head.to(device), shared.embed_scale,
+                                   None if rt.inv_freq is None else rt.inv_freq.to(device), shared.rope_scaling)
+        backbone = BlockBackbone(self.block_config, shared, seed=config.seed)
+        if config.norm_init_scale is not None:  # the frozen LM head was trained on the target's norm's scale
+            with torch.no_grad():
+                backbone.norm.weight.copy_(config.norm_init_scale * rt.norm.detach().float())
+        host = get_host()
+        parts = {}
+        for kind, spec in ((ComponentKind.CORRECTION_HEAD, config.head), (ComponentKind.CONFIDENCE, config.confidence)):
+            if spec["name"] == NONE:
+                parts[kind] = None
+                continue
+            module = host.create(kind, spec["name"], {k: v for k, v in spec.items() if k != "name"})
+            module.bind(target)
+            parts[kind] = module
+        head, confidence = parts[ComponentKind.CORRECTION_HEAD], parts[ComponentKind.CONFIDENCE]
+        if confidence is not None and getattr(confidence.config, "embedding", None) == "head":
+            confidence.tie(head)
+        self.module = DrafterModule(backbone, head, confidence).to(device)
+
+    def needs(self) -> DataNeeds:
+        c = self.block_config
+        return DataNeeds(layers=tuple(c.tap_layers), block=c.gamma, input_len=c.block_len,
+                         mask_token_id=MASK if c.mask_token_id is None else c.mask_token_id)
+
+    def loss(self, outputs: tuple[Tensor, Tensor | None], batch: TrainBatch) -> LossOutput:
+        logits, conf = outputs
+        w = self.settings.loss
+        res = dspark_loss(logits, batch.labels, batch.p_t, batch.valid, conf, gamma=self.block_config.gamma,
+                          ce_weight=w.ce_weight, tv_weight=w.tv_weight, conf_weight=w.conf_weight)
+        return LossOutput(total=res.total, blocks=res.mask[:, 0].sum(),
+                          means={"ce": res.ce, "tv": res.tv, "conf": res.conf, "tau": res.tau},
+                          sums={"supervised": res.mask.sum().float()},
+                          positions={"accept_rate": (res.c_star.sum(0), res.mask.sum(0).float())})
+
+    def save(self, directory: Path, provenance: dict[str, Any]) -> None:
+        m = self.module
+        save_drafter(directory, m.backbone, m.head, m.confidence,
+                     {"kind": self.method, "gamma": self.block_config.gamma, **provenance},
+                     method=self.method, target=self.target_name)
+
+    def load(self, directory: Path) -> None:
+        backbone, head, confidence, _ = load_drafter(directory)
+        m = self.module
+        for mine, loaded, name in ((m.backbone, backbone, "backbone"), (m.head, head, "correction head"),
+                                   (m.confidence, confidence, "confidence head")):
+            if (mine is None) != (loaded is None) or (mine is not None and type(mine) is not type(loaded)):
+                raise DrafterCheckpointError(f"{directory}: the checkpoint's {name} "
+                                             f"({type(loaded).__name__ if loaded is not None else 'none'}) does "
+                                             f"not match the config's ({type(mine).__name__ if mine is not None else 'none'})")
+            if mine is not None:
+                mine.load_state_dict(loaded.state_dict())
+
+    def pipeline(self, directory: Path) -> dict[str, Any]:
+        head, conf = self.settings.head, self.settings.confidence
+        sections: dict[str, Any] = {"drafter": {"name": self.method, "checkpoint": str(directory)},
+                                    "correction_head": {"name": head["name"]}}
+        if head["name"] != NONE:
+            sections["correction_head"]["rank"] = head["rank"]
+        if conf["name"] == NONE:  # no trained confidence head: every position is verified anyway
+            sections["confidence"] = {"name": "constant"}
+        else:
+            sections["confidence"] = {"name": conf["name"], "rank": conf["rank"], "embedding": conf["embedding"]}
+        return sections
+
+
+class DFlashTraining(BlockTraining):
+    """DFlash's layout: ``[x_0, MASK × γ]``, the γ mask slots predict x_1 … x_γ."""
+
+    method = "dflash"
+    predict_anchor = False

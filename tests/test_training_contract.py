@@ -1,0 +1,137 @@
+"""Training as a plug-in contract: the shipped block drafters train through it exactly as they did
+before (losses to float noise, checkpoints written before still load), and the trainer reaches
+them only through their registration."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforge.plugins import get_host
+from specforge.training.config import TrainConfig, TrainConfigError, load_train_config
+from specforge.training.trainer import Trainer
+
+from train_fixtures import tiny_config, tiny_source, tiny_target
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "data" / "training-golden"
+# Same code path, same seeds: only float summation order may differ between CPUs (AMX or not).
+RTOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def _config(tmp_path: Path, drafter: dict, steps: int) -> TrainConfig:
+    base = tiny_config(tmp_path, steps=steps).to_dict()
+    return TrainConfig.model_validate({**base, "drafter": {**base["drafter"], **drafter}})
+
+
+@pytest.mark.parametrize("run", ["markov", "gated"])
+def test_losses_and_weights_match_the_trainer_before_the_contract(run, target, tmp_path):
+    golden = json.loads((GOLDEN / "golden.json").read_text())
+    spec = golden["runs"][run]
+    trainer = Trainer(_config(tmp_path, spec["drafter"], golden["steps"]), target=target,
+                      source=tiny_source(target), log=lambda _: None)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    assert len(history) == len(spec["history"])
+    for new, old in zip(history, spec["history"]):
+        assert set(old) <= set(new), set(old) - set(new)
+        for key, value in old.items():
+            if isinstance(value, float):
+                assert new[key] == pytest.approx(value, rel=RTOL, abs=1e-7), (run, new["step"], key)
+            else:
+                assert new[key] == value, (run, key)
+    # The exported drafter holds the same weights as the one the old trainer exported.
+    from safetensors.torch import load_file
+
+    mine = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    theirs = load_file(str(GOLDEN / f"drafter-{run}" / "model.safetensors"))
+    assert set(mine) == set(theirs)
+    for k in theirs:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-3, atol=1e-5)
+    meta = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert meta["method"] == "dspark" and meta["target"] == "tiny"
+
+
+@pytest.mark.parametrize("run", ["markov", "gated"])
+def test_a_drafter_exported_before_the_contract_still_loads(run, target):
+    """The old checkpoints (no method/target at the top of config.json) serve in the engine and
+    resume through the method's load."""
+    from specforge.config import load_pipeline
+    from specforge.engine import Engine, GenerationRequest
+
+    golden = json.loads((GOLDEN / "golden.json").read_text())
+    spec = golden["runs"][run]["drafter"]
+    directory = GOLDEN / f"drafter-{run}"
+    method_cls, options = _config(Path("unused"), spec, 1).training_method()
+    method = method_cls(options, target, "cpu")
+    method.load(directory)
+    sections = method.pipeline(directory)
+    assert sections["drafter"] == {"name": "dspark", "checkpoint": str(directory)}
+    pipeline = load_pipeline(["default"], sections=sections)
+    engine = Engine.from_pipeline(pipeline, target)
+    (out,) = engine.generate([GenerationRequest(prompt_ids=[3, 5, 7, 9], max_new_tokens=6, temperature=0)])
+    assert out.error is None and len(out.token_ids) == 6
+
+
+def test_dflash_trains_through_the_same_contract(target, tmp_path):
+    trainer = Trainer(_config(tmp_path, {"name": "dflash", "gamma": 3}, steps=3), target=target,
+                      source=tiny_source(target), log=lambda _: None)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    assert [r["step"] for r in history] == [1, 2, 3] and all(r["loss"] == r["loss"] for r in history)
+    meta = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert meta["method"] == "dflash" and meta["backbone"]["predict_anchor"] is False
+    assert {"accept_rate@1", "accept_rate@3"} <= set(history[-1])
+
+
+def test_every_shipped_trainable_drafter_is_registered_with_a_method():
+    drafters = get_host().registry.of_kind("drafter")
+    assert {n for n, r in drafters.items() if r.metadata.trainable} >= {"dspark", "dflash"}
+    assert not drafters["ngram"].metadata.trainable
+    described = {c["name"]: c["metadata"] for c in get_host().describe()["components"] if c["kind"] == "drafter"}
+    assert described["dspark"]["trainable"] is True and "training" not in described["dspark"]
+
+
+def test_config_errors_name_the_method_and_its_keys():
+    with pytest.raises(TrainConfigError, match=r"drafter.name: 'ngram' is a drafter without a training method; "
+                                               r"trainable drafters: .*dflash.*dspark"):
+        load_train_config("quick", ["drafter.name=ngram"])
+    with pytest.raises(TrainConfigError, match=r"drafter.lyers: unknown key; valid keys: name, layers, gamma"):
+        load_train_config("quick", ["drafter.lyers=3"])
+    with pytest.raises(TrainConfigError, match=r"'ngram' is not a trainable correction head"):
+        load_train_config("quick", ["drafter.head.name=ngram"])
+    # A config written before the contract (loss weights at the top) still loads.
+    old = TrainConfig.model_validate({"loss": {"ce_weight": 0.5}, "schedule": {"total_steps": 2}})
+    assert old.drafter.options()["loss"] == {"ce_weight": 0.5}
+    assert old.training_method()[1].loss.ce_weight == 0.5
+
+
+def test_the_trainer_sees_only_the_contract():
+    """specforge/ imports no shipped plug-in (they register through the entry point like any
+    third party's)."""
+    hits = subprocess.run(["grep", "-rn", "specforge_plugins", str(REPO / "specforge")],
+                          capture_output=True, text=True).stdout.splitlines()
+    assert hits == [], hits
