@@ -6,7 +6,7 @@ once; every problem is reported together, naming the key path and the valid keys
 
     load_train_config("quick", ["optimizer.lr=3e-4", "drafter.head.name=gated"])
 
-Presets: ``quick`` is the README's ~15-minute main job on 2 CPU cores (a small ShareGPT subset,
+Presets: ``quick`` is the README's ~10-minute main job on 2 CPU cores (a small ShareGPT subset,
 2-layer DSpark, γ=7, short sequences); ``full`` is the paper-like profile (all of ShareGPT, longer
 sequences, 5 layers, several epochs).
 """
@@ -173,7 +173,7 @@ _COMMON: dict[str, Any] = {
 }
 
 _DIFFERENCES: dict[str, dict[str, Any]] = {
-    # The main job's budget (README): ~15 min on 2 cores for data, features, training and eval.
+    # The main job's budget (README): ~10 min on 2 cores (Xeon, AMX) for data, features, training and eval.
     "quick": {
         "data": {"limit": 192, "max_length": 384, "eval_sequences": 8,
                  "regenerate": {"max_new_tokens": 192, "max_batch": 16}},

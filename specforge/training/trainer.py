@@ -78,25 +78,40 @@ class Trainer:
             from specforge.target import TargetModel
             target = TargetModel.load(c.target.model, c.target.dtype)
         self.target = target
-        dev = self.dist.device
-        method_cls, options = c.training_method()
-        self.method: DraftTraining = method_cls(options, target, dev)
-        self.needs = self.method.needs()
-        layer_ids = list(self.needs.layers)
-        self.source = source if source is not None else build_source(c, target, layer_ids, self.out_dir, self.dist,
-                                                                      self.log)
-        if list(self.source.layer_ids) != layer_ids:
+        self._build_method()
+        self.source = source if source is not None else build_source(c, target, list(self.needs.layers),
+                                                                      self.out_dir, self.dist, self.log)
+        if list(self.source.layer_ids) != list(self.needs.layers):
             raise TrainConfigError([f"drafter: the feature source taps layers {list(self.source.layer_ids)}; "
-                                    f"the drafter wants {layer_ids}"])
+                                    f"the drafter wants {list(self.needs.layers)}"])
+        self._build_optimizer()
+        self._split_data()
+        self.step, self.epoch, self.batch_index = 0, 0, 0
+        self._loss_fn = self._choose_loss(target.args.vocab_size)
+        self._metric_keys = self._metric_layout()
+        self._order: tuple[int, list[int]] | None = None
+        self.history: list[dict[str, Any]] = []
+        self.resumed_from: Path | None = None
+        self.skipped: list[str] = []  # damaged checkpoints passed over by resume()
+
+    def _build_method(self) -> None:
+        """The drafter's training method (its registration's ``training=``), bound to the target."""
+        c, dev = self.config, self.dist.device
+        method_cls, options = c.training_method()
+        self.method: DraftTraining = method_cls(options, self.target, dev)
+        self.needs = self.method.needs()
         self.bf16 = c.dtype == "bfloat16" or (c.dtype == "auto" and dev.type == "cuda")
-        self.lm_head = target.runtime.lm_head.to(dev)  # p_t: the target's own law, frozen
+        self.lm_head = self.target.runtime.lm_head.to(dev)  # p_t: the target's own law, frozen
         self.module = self.method.module
         self.model: nn.Module = (DistributedDataParallel(self.module, device_ids=[dev] if dev.type == "cuda" else None)
                                  if self.dist.enabled else self.module)
         self.param_names = {id(p): n for n, p in self.module.named_parameters()}
+
+    def _build_optimizer(self) -> None:
+        """AdamW with weight decay on matrices only."""
+        o, dev = self.config.optimizer, self.dist.device
         decay = [p for p in self.module.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.module.parameters() if p.dim() < 2]
-        o = c.optimizer
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}],
                                            lr=o.lr, betas=o.betas, eps=o.eps,
@@ -104,7 +119,9 @@ class Trainer:
                                            # foreach path over the V×r head tables on a CPU
                                            fused=dev.type in ("cpu", "cuda"))
 
-        # Data: the last eval_sequences sequences are held out; the rest is shuffled per epoch.
+    def _split_data(self) -> None:
+        """The last ``data.eval_sequences`` sequences are held out; the rest is shuffled per epoch."""
+        c = self.config
         n = len(self.source)
         held = min(c.data.eval_sequences, max(0, n - 1))
         self.eval_indices = list(range(n - held, n))
@@ -118,13 +135,6 @@ class Trainer:
                                     "ranks idle"])
         s = c.schedule
         self.total_steps = s.total_steps or max(1, round(s.epochs * self.steps_per_epoch))
-        self.step, self.epoch, self.batch_index = 0, 0, 0
-        self._loss_fn = self._choose_loss(target.args.vocab_size)
-        self._metric_keys = self._metric_layout()
-        self._order: tuple[int, list[int]] | None = None
-        self.history: list[dict[str, Any]] = []
-        self.resumed_from: Path | None = None
-        self.skipped: list[str] = []  # damaged checkpoints passed over by resume()
 
     # -- helpers --------------------------------------------------------------------------------
 
