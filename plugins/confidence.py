@@ -1,8 +1,9 @@
 """Shipped confidence estimators: ``constant``, ``entropy`` and DSpark's trained ``dspark-head``.
 
-Both are pre-token (docs/design/round.md): c_k may use what is known before x_k is drawn — here only the
-drafter's distribution at slot k — and never ``block.tokens[:, k]``.  That is what lets a
-scheduler stop on c_k without biasing which tokens get verified.
+All three are pre-token (docs/design/round.md): c_k may use what is known before x_k is drawn —
+the drafter's distribution at slot k (``entropy``), the backbone state h_k and the previous token
+x_{k−1} (``dspark-head``) — and never ``block.tokens[:, k]``.  That is what lets a scheduler stop
+on c_k without biasing which tokens get verified.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from specforge import hookimpl
-from specforge.components import DraftBlock
+from specforge.components import ComponentWeights, DraftBlock
+from specforge.config import ConfigError
+from specforge_plugins.heads import load_trained
 
 __all__ = ["ConstantConfidence", "ConstantConfig", "DSparkConfidence", "DSparkHeadConfig",
            "EntropyConfidence", "EntropyConfig"]
@@ -126,12 +129,26 @@ class DSparkConfidence(nn.Module):
             self.load_state_dict(load_file(self.config.weights))
 
     def tie(self, head: nn.Module) -> None:
-        """Read E from a built correction head's W1 (``embedding="head"`` only)."""
+        """Read E from a built correction head's token embedding W1 (``embedding="head"`` only)."""
         if self.config.embedding != "head":
             raise ValueError("tie() needs embedding='head'")
-        if head.w1.shape[1] != self.config.rank:
-            raise ValueError(f"the head's rank {head.w1.shape[1]} differs from the confidence rank {self.config.rank}")
+        table = getattr(head, "token_embedding", None)
+        if table is None:
+            raise ConfigError(["confidence.embedding: 'head' reads the correction head's token embedding; "
+                               f"the pipeline's correction head ({type(head).__name__}) has none "
+                               "(use markov, gated or rnn, or embedding='own')"])
+        if table.shape[1] != self.config.rank:
+            raise ValueError(f"the head's rank {table.shape[1]} differs from the confidence rank {self.config.rank}")
         self.__dict__["_tied"] = head
+
+    def share(self, correction_head: Any) -> None:
+        """Lifecycle hook: with ``embedding="head"``, take the pipeline's correction head's table."""
+        if self.config.embedding == "head":
+            self.tie(correction_head)
+
+    def load_weights(self, weights: ComponentWeights) -> None:
+        """Trained weights handed over by the engine (a drafter checkpoint's confidence head)."""
+        load_trained(self, weights, "confidence")
 
     @property
     def table(self) -> Tensor:
@@ -139,7 +156,7 @@ class DSparkConfidence(nn.Module):
             return self.embed
         if self._tied is None:
             raise RuntimeError("dspark-head with embedding='head' must be tie()d to a correction head")
-        return self._tied.w1
+        return self._tied.token_embedding
 
     def logits(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor:
         """``hidden [..., d]``, ``prev_tokens [...]`` (x_{k−1}) → pre-sigmoid ``[...]`` (training)."""

@@ -25,7 +25,24 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-__all__ = ["HEADS", "GatedHead", "HeadConfig", "MarkovHead", "RnnHead"]
+from specforge.components import ComponentWeights
+from specforge.config import ConfigError
+
+__all__ = ["HEADS", "GatedHead", "HeadConfig", "MarkovHead", "RnnHead", "load_trained"]
+
+
+def load_trained(module: nn.Module, weights: ComponentWeights, slot: str) -> None:
+    """Load ``weights`` into a built low-rank ``module`` of pipeline ``slot`` unless its config names
+    a weights file of its own; a rank that does not fit is one config error naming the key."""
+    if getattr(module.config, "weights", None):  # the pipeline names its own weights: they win
+        return
+    try:
+        module.load_state_dict(weights.state)
+    except RuntimeError as exc:
+        rank = next((t.shape[-1] for k, t in weights.state.items() if k in ("w1", "embed")), None)
+        first = str(exc).strip().splitlines()[0]
+        raise ConfigError([f"{slot}.rank: the weights in {weights.source} do not fit "
+                           + (f"(trained with rank {rank}; set {slot}.rank={rank})" if rank else f"({first})")]) from None
 
 
 class HeadConfig(BaseModel):
@@ -90,6 +107,16 @@ class _LowRankHead(nn.Module, ABC):
 
     def save(self, path: str) -> None:
         save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, path)
+
+    def load_weights(self, weights: ComponentWeights) -> None:
+        """Trained weights handed over by the engine (a drafter checkpoint's head); a head that
+        names its own ``weights`` file keeps those."""
+        load_trained(self, weights, "correction_head")
+
+    @property
+    def token_embedding(self) -> Tensor:
+        """W1 ∈ R^{V×r}, the previous-token embedding (a confidence head may share it)."""
+        return self.w1
 
     def _check(self, hidden: Tensor | None) -> None:
         if not self.built:

@@ -11,6 +11,24 @@ Shapes used throughout:
 
 Positions are 1-based in prose (x_1 … x_γ are draft tokens, x_0 is the anchor) and 0-based in
 tensors: ``draft_tokens[r, k]`` is x_{k+1} of request ``r``.
+
+**One owner, one lifecycle.**  The engine owns every component of a pipeline and is the only
+caller of the steps below, in this order; no component hands another one around.
+
+1. ``bind(target)`` — each component that has it is sized from the target (vocabulary, hidden
+   size, depth) and takes the target's frozen tensors it reads.
+2. *Weights* — a drafter whose checkpoint also trained other components of the round lists them
+   in ``companion_weights()`` (:class:`ComponentWeights` per pipeline slot); the engine gives each
+   to that slot's component through its ``load_weights``.  A slot whose component is of another
+   kind and has weights of its own (``load_weights``) is an error — its random weights would
+   silently stand in for trained ones; a component without weights (``none``, ``constant``) just
+   runs without them.  Then a confidence estimator with ``share(correction_head)`` may take
+   tables of the (now loaded) correction head.
+3. *Rounds* — ``drafter.draft(ctx)``: the drafter runs ``ctx.correction_head`` (the pipeline's,
+   which stays the engine's) in its sequential stage; the engine then calls the confidence
+   estimator, the calibrator, the scheduler and the verifier.  Every per-request random number
+   comes from :func:`specforge.sampling.draw_uniforms` (``ctx.uniforms`` for a drafter).
+4. ``release(request_id)`` — when a request finishes.
 """
 
 from __future__ import annotations
@@ -21,10 +39,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from specforge.sampling import SamplingParams
+from specforge.sampling import SamplingParams, draw_uniforms
 
 __all__ = [
     "CalibrationData",
+    "ComponentWeights",
     "DraftContext",
     "Calibrator",
     "ConfidenceEstimator",
@@ -164,7 +183,12 @@ class Calibrator(Protocol):
 
 @runtime_checkable
 class ConfidenceEstimator(Protocol):
-    """Estimates c_k = P(x_k accepted | x_<k accepted) before x_k is known."""
+    """Estimates c_k = P(x_k accepted | x_<k accepted) before x_k is known.
+
+    Optional lifecycle methods (module docstring): ``bind(target)``,
+    ``load_weights(weights: ComponentWeights)`` for a trained estimator, and
+    ``share(correction_head)`` for one that reads the correction head's tables.
+    """
 
     def estimate(self, block: DraftBlock) -> Tensor:
         """Return ``[R, G]`` values in (0, 1).  May read ``tokens[:, :k]``, ``probs[:, k]``,
@@ -174,7 +198,11 @@ class ConfidenceEstimator(Protocol):
 
 @runtime_checkable
 class CorrectionHead(Protocol):
-    """Sequential (left-to-right) bias on a parallel drafter's logits."""
+    """Sequential (left-to-right) bias on a parallel drafter's logits.
+
+    Optional lifecycle methods (module docstring): ``bind(target)`` and
+    ``load_weights(weights: ComponentWeights)`` for a trained head.
+    """
 
     def init_state(self, batch: int) -> Any:
         """Fresh per-block state for ``batch`` requests (``None`` when stateless)."""
@@ -221,6 +249,21 @@ class TargetFeatures:
 
 
 @dataclass(frozen=True)
+class ComponentWeights:
+    """Trained weights a drafter's checkpoint carries for another component of the round.
+
+    Attributes:
+        kind: the class the weights were trained as; the pipeline's component must be of it.
+        state: its ``state_dict``.
+        source: where they come from (the checkpoint directory), for messages.
+    """
+
+    kind: type
+    state: dict[str, Tensor]
+    source: str
+
+
+@dataclass(frozen=True)
 class DraftContext:
     """What the engine tells a drafter about the R requests it drafts for this round.
 
@@ -237,6 +280,9 @@ class DraftContext:
             ``feature_layers``, for the positions each request committed since its previous
             draft (the admission prefill, then each verify pass); ``None`` when it asked for none.
             The anchor x_0 is never among them: the target has not consumed it yet.
+        correction_head: the pipeline's :class:`CorrectionHead` for a drafter that runs one in
+            its sequential stage (``None`` when the pipeline has none).  It belongs to the
+            engine: use it this round, do not keep it.
     """
 
     request_ids: list[int]
@@ -245,6 +291,13 @@ class DraftContext:
     sampling: SamplingParams
     generators: list[torch.Generator]
     features: TargetFeatures | None = None
+    correction_head: Any = None
+
+    def uniforms(self, count: int) -> Tensor:
+        """``[R, count]`` float64 U[0, 1) numbers, each request from its own generator (see
+        :func:`~specforge.sampling.draw_uniforms`): draw a fixed count per round, so that a seeded
+        request's stream does not depend on its batch-mates."""
+        return draw_uniforms(self.generators, count, width=1)[..., 0]
 
     @property
     def anchor(self) -> Tensor:
@@ -267,10 +320,11 @@ class Drafter(Protocol):
         ``feature_layers`` is read after this call, so a drafter may choose its layers from the
         target's depth here.
 
-        Optional second hook: a drafter that runs the pipeline's correction head itself defines
-        ``attach(correction_head, confidence)``; the engine calls it once after ``bind`` with the
-        pipeline's head (``None`` when the pipeline has none) and confidence estimator, both
-        already bound to the target (each component with a ``bind`` method gets the target)."""
+        A drafter whose checkpoint also holds trained weights of other components of the round (a
+        correction head, a confidence head) may define ``companion_weights() -> dict[str,
+        ComponentWeights]`` keyed by pipeline slot (``"correction_head"``, ``"confidence"``);
+        the engine calls it after ``bind`` and loads them into those components (see the module
+        docstring)."""
         ...
 
     def draft(self, ctx: DraftContext) -> DraftBlock:

@@ -17,6 +17,7 @@ from per-request seeded generators, so a request's output does not depend on its
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -198,13 +199,24 @@ def sample_with_uniform(probs: Tensor, u: Tensor) -> Tensor:
     return torch.minimum(idx, last)
 
 
-def draw_uniforms(generators: list[torch.Generator], positions: int) -> Tensor:
-    """``[R, positions, 2]`` float64 uniforms, each request from its own generator.
+def draw_uniforms(generators: list[torch.Generator], positions: int | Sequence[int], width: int = 2) -> Tensor:
+    """``[R, P, width]`` float64 uniforms, each request from its own generator.
 
-    Each request consumes exactly ``2 * positions`` numbers per call, so its stream depends only on
-    its own history, never on which other requests share the batch.
+    ``positions`` is one count for every request or one per request (``P`` is the largest; rows
+    past a request's own count are zero).  Request r consumes exactly ``positions[r] * width``
+    numbers, in row order, so its stream depends only on its own history, never on which other
+    requests share the batch or how many numbers they draw.  Every per-request random number of a
+    round — a drafter's sampling, the verifier's accept/emit pairs — is drawn here.
     """
-    if not generators:
-        return torch.empty(0, positions, 2, dtype=torch.float64)
-    rows = [torch.rand(positions, 2, generator=g, dtype=torch.float64) for g in generators]
-    return torch.stack(rows)
+    if isinstance(positions, int):
+        counts, rows = [positions] * len(generators), positions
+    else:
+        counts = [int(n) for n in positions]
+        rows = max(counts, default=0)
+    if len(counts) != len(generators):
+        raise ValueError(f"{len(counts)} counts for {len(generators)} generators")
+    out = torch.zeros(len(generators), rows, width, dtype=torch.float64)
+    for r, (g, n) in enumerate(zip(generators, counts)):
+        if n:
+            out[r, :n] = torch.rand(n, width, generator=g, dtype=torch.float64)
+    return out

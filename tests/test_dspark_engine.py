@@ -15,7 +15,7 @@ from specforge.plugins import PluginHost
 from specforge.sampling import warp
 from specforge.target import TargetModel, VarlenBatch
 from specforge_plugins.drafters.block.checkpoint import save_drafter
-from specforge_plugins.drafters.dspark import DSparkDrafter
+from specforge_plugins.drafters.dspark import DSparkConfig, DSparkDrafter
 from tiny_models import tiny_model
 
 VOCAB = 96
@@ -190,6 +190,39 @@ def test_checkpoint_drafts_exactly_like_the_model_it_saved(target, host, tmp_pat
     assert [o.token_ids for o in loaded.generate(requests())] == reference
     with pytest.raises(ValueError, match="MarkovHead.*GatedHead"):
         make_engine(target, host, drafter=host.create_drafter("dspark", {"checkpoint": str(tmp_path)}), head="gated")
+
+
+def test_the_engine_owns_the_round_components(target, host, tmp_path):
+    """Lifecycle of specforge.components: the engine binds, loads the checkpoint's companion
+    weights, lets the confidence head share the correction head's table, and hands the head to
+    the drafter per round; the drafter keeps no reference to it."""
+    fresh = make_engine(target, host, drafter=host.create_drafter("dspark", {"gamma": 3, "layers": 1, "seed": 2}))
+    save_drafter(tmp_path, fresh.drafter.backbone, fresh.correction_head, fresh.confidence)
+    tied = host.create_confidence("dspark-head", {"rank": 8, "embedding": "head"})
+    engine = make_engine(target, host, drafter=Recorder(DSparkConfig(checkpoint=str(tmp_path))))
+    assert torch.equal(engine.confidence.proj.weight, fresh.confidence.proj.weight)
+    engine.generate(requests(4))
+    assert engine.drafter.calls and all(ctx.correction_head is engine.correction_head
+                                        for ctx, _ in engine.drafter.calls)
+    assert not any(v is engine.correction_head for v in vars(engine.drafter).values())
+    assert not hasattr(engine.drafter, "attach")
+
+    # embedding='head' reads the pipeline head's token embedding, after its weights were loaded.
+    shared = Engine(target, host.create_verifier("rejection"), drafter=host.create_drafter("dspark", {"gamma": 3}),
+                    correction_head=host.create_correction_head("markov", {"rank": 8}), confidence=tied,
+                    calibrator=host.create_calibrator("identity", {}), scheduler=host.create_scheduler("fixed", {}))
+    assert shared.confidence.table is shared.correction_head.w1
+    with pytest.raises(ValueError, match=r"confidence.embedding: 'head' reads the correction head's token embedding"):
+        Engine(target, host.create_verifier("rejection"), drafter=host.create_drafter("dspark", {"gamma": 3}),
+               correction_head=host.create_correction_head("none", {}),
+               confidence=host.create_confidence("dspark-head", {"rank": 8, "embedding": "head"}),
+               calibrator=host.create_calibrator("identity", {}), scheduler=host.create_scheduler("fixed", {}))
+    # A trained head of another rank is one error naming the key to change.
+    with pytest.raises(ValueError, match=r"correction_head.rank: .* \(trained with rank 8; set correction_head.rank=8\)"):
+        Engine(target, host.create_verifier("rejection"), drafter=host.create_drafter("dspark", {"checkpoint": str(tmp_path)}),
+               correction_head=host.create_correction_head("markov", {"rank": 4}),
+               confidence=host.create_confidence("entropy", {}), calibrator=host.create_calibrator("identity", {}),
+               scheduler=host.create_scheduler("fixed", {}))
 
 
 def test_layer_ids_are_checked_against_the_targets_depth(target, host):

@@ -8,7 +8,8 @@ One round for R requests:
    :class:`~specforge_plugins.drafters.block.context.ContextCache`.
 2. *Parallel stage.*  One backbone pass over every request's block ``[x_0, MASK × (γ−1)]``
    (DFlash: ``[x_0, MASK × γ]``) gives hidden states h_k and base logits U_k.
-3. *Sequential stage.*  Left to right, the pipeline's correction head biases U_k given x_{k−1}
+3. *Sequential stage.*  Left to right, the pipeline's correction head (``ctx.correction_head``,
+   the engine's) biases U_k given x_{k−1}
    (x_0 = the anchor) and h_k; x_k is drawn from ``p_k = warp(U_k + B_k, the request's
    sampling)`` with a uniform from the request's own generator, and p_k is reported as the law
    of x_k (T = 0: the one-hot arg-max), which is what keeps the verifier exact.
@@ -27,7 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
-from specforge.components import DraftBlock, DraftContext
+from specforge.components import ComponentWeights, DraftBlock, DraftContext
 from specforge.sampling import sample_with_uniform, warp
 from specforge_plugins.drafters.block.checkpoint import load_drafter
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
@@ -83,7 +84,6 @@ class BlockDrafter:
         else:
             self.gamma = self.config.gamma or self.default_gamma
         self.backbone: BlockBackbone | None = None
-        self.head: Any = None
         self.feature_layers: tuple[int, ...] = ()  # fixed at bind(), from the target's depth
         self._contexts: ContextCache | None = None
         # Wall time of the sequential stage's correction-head calls, for latency breakdowns
@@ -119,24 +119,15 @@ class BlockDrafter:
             args, draft_layers=self.config.layers or self.default_layers, target_layers=layers,
             gamma=self.gamma, predict_anchor=self.predict_anchor)
 
-    def attach(self, correction_head: Any, confidence: Any) -> None:
-        """Take the pipeline's correction head (``None``: no correction).
-
-        A checkpoint's trained head and confidence weights go into the pipeline's components
-        when those are of the same kind and name no weights file of their own; a different
-        trained head kind is an error (its random weights would silently replace trained ones),
-        while ``none`` simply drafts without the correction (an ablation).
-        """
-        self.head = correction_head
-        if self._loaded is not None:
-            _, head, confidence_weights = self._loaded
-            _fill(correction_head, head, "correction head", self.config.checkpoint, required=True)
-            _fill(confidence, confidence_weights, "confidence head", self.config.checkpoint, required=False)
-        tie = getattr(confidence, "tie", None)
-        if callable(tie) and getattr(confidence.config, "embedding", None) == "head":
-            if not hasattr(correction_head, "w1"):
-                raise ValueError("dspark-head with embedding='head' needs a markov, gated or rnn correction head")
-            tie(correction_head)
+    def companion_weights(self) -> dict[str, ComponentWeights]:
+        """The checkpoint's trained correction head and confidence head, for the engine to load
+        into the pipeline's components of those slots (the lifecycle of specforge.components)."""
+        if self._loaded is None:
+            return {}
+        _, head, confidence = self._loaded
+        where = str(self.config.checkpoint)
+        return {slot: ComponentWeights(type(m), m.state_dict(), where)
+                for slot, m in (("correction_head", head), ("confidence", confidence)) if m is not None}
 
     def release(self, request_id: int) -> None:
         if self._contexts is not None:
@@ -152,8 +143,7 @@ class BlockDrafter:
         r, anchor = len(ctx), ctx.anchor
         # A fixed γ uniforms per request and round, so a seeded request's stream does not depend
         # on its batch-mates (how many slots the batch drafts).
-        u = (torch.stack([torch.rand(self.gamma, generator=g, dtype=torch.float64) for g in ctx.generators])
-             if r else torch.zeros(0, self.gamma, dtype=torch.float64))
+        u = ctx.uniforms(self.gamma)
         g = min(self.gamma, int(ctx.max_tokens.max())) if r else 0
         if g == 0:
             empty = torch.zeros(r, 0, dtype=torch.long)
@@ -165,13 +155,14 @@ class BlockDrafter:
         tokens = torch.empty(r, g, dtype=torch.long)
         logits = torch.empty_like(base)
         probs = torch.empty_like(base)
-        state = self.head.init_state(r) if self.head is not None else None
+        head = ctx.correction_head
+        state = head.init_state(r) if head is not None else None
         prev = anchor
         for k in range(g):
             step = base[:, k]
-            if self.head is not None:
+            if head is not None:
                 t0 = time.perf_counter()
-                step, state = self.head.step(step, prev, hidden[:, k], state)
+                step, state = head.step(step, prev, hidden[:, k], state)
                 in_head += time.perf_counter() - t0
             logits[:, k] = step
             probs[:, k] = warp(step, ctx.sampling)  # the exact law x_k is drawn from
@@ -234,21 +225,3 @@ def _check_fits(c: BlockDrafterConfig, args: Any, where: str | None) -> None:
         if getattr(c, key) != value:
             raise ValueError(f"{where}: trained for a target with {key}={getattr(c, key)}; "
                              f"the bound target has {key}={value}")
-
-
-def _fill(part: Any, trained: nn.Module | None, what: str, where: str | None, required: bool) -> None:
-    """Load a checkpoint's trained ``what`` into the pipeline's component of the same kind."""
-    if trained is None or part is None:
-        return
-    if type(part) is not type(trained):
-        if required and hasattr(part, "w1"):  # another trainable head: its weights would be random
-            raise ValueError(f"{where}: the checkpoint's {what} is a {type(trained).__name__}; the pipeline's is a "
-                             f"{type(part).__name__} (choose the same kind, or 'none' to draft without it)")
-        return
-    if getattr(part.config, "weights", None):  # the pipeline names its own weights: they win
-        return
-    try:
-        part.load_state_dict(trained.state_dict())
-    except RuntimeError as exc:
-        raise ValueError(f"{where}: the checkpoint's {what} does not fit the pipeline's "
-                         f"(set its rank to {trained.config.rank}): {exc}") from None

@@ -19,12 +19,13 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from specforge.components import DraftBlock, DraftContext, TargetFeatures, Verifier
-from specforge.config import EngineConfig, PipelineConfig, SamplingConfig
+from specforge.components import ComponentWeights, DraftBlock, DraftContext, TargetFeatures, Verifier
+from specforge.config import ConfigError, EngineConfig, PipelineConfig, SamplingConfig
 from specforge.engine.request import (
     FinishReason,
     GenerationRequest,
@@ -34,7 +35,7 @@ from specforge.engine.request import (
 )
 from specforge.engine.stops import apply_token_stops, find_stop_string
 from specforge.registry import ComponentKind
-from specforge.sampling import NonFiniteError, SamplingParams
+from specforge.sampling import NonFiniteError, SamplingParams, draw_uniforms
 from specforge.target import TargetModel, VarlenBatch
 
 __all__ = ["Engine"]
@@ -107,15 +108,20 @@ class Engine:
         self.phase_seconds: dict[str, float] = dict.fromkeys(("draft", "target", "verify", "commit"), 0.0)
 
     def _bind(self, drafter, correction_head, confidence) -> None:
-        """Bind the model-dependent components to the target, then let the drafter take the head."""
+        """Lifecycle steps 1–2 (:mod:`specforge.components`): bind every model-backed component to
+        the target, then give each the weights the drafter's checkpoint trained for it."""
         target = self.target
-        drafter.bind(target)
         # Heads and estimators sized from the target (vocabulary, hidden size) build here.
-        for part in (correction_head, confidence):
+        for part in (drafter, correction_head, confidence):
             if callable(getattr(part, "bind", None)):
                 part.bind(target)
-        if callable(getattr(drafter, "attach", None)):
-            drafter.attach(correction_head, confidence)
+        companions = drafter.companion_weights() if callable(getattr(drafter, "companion_weights", None)) else {}
+        for slot, part in (("correction_head", correction_head), ("confidence", confidence)):
+            if slot in companions:
+                _load_companion(slot, part, companions[slot])
+        share = getattr(confidence, "share", None)
+        if callable(share):
+            share(correction_head)
         # Read after bind(): a drafter may pick its layers from the target's depth.
         taps = tuple(int(i) for i in (getattr(drafter, "feature_layers", ()) or ()))
         depth = target.args.n_layers
@@ -292,6 +298,7 @@ class Engine:
             sampling=sampling,
             generators=[s.generator for s in states],
             features=self._pending_features(states) if self.taps else None,
+            correction_head=self.correction_head,
         )
         block = self.drafter.draft(ctx)
         block_lengths = torch.minimum(block.lengths.to(torch.long), ctx.max_tokens)
@@ -335,9 +342,8 @@ class Engine:
         # Exactly ℓ_r + 1 pairs per request from its own generator, so a seeded request's stream
         # does not depend on how long its batch-mates' blocks are.
         out = torch.zeros(len(states), g + 1, 2, dtype=torch.float64)
-        for r, s in enumerate(states):
-            n = int(lengths[r]) + 1
-            out[r, :n] = torch.rand(n, 2, generator=s.generator, dtype=torch.float64)
+        drawn = draw_uniforms([s.generator for s in states], (lengths.to(torch.long) + 1).tolist())
+        out[:, :drawn.shape[1]] = drawn
         return out
 
     def _commit(self, s: _Active, drafts: Tensor, verified: int, drafted: int, accepted: int,
@@ -423,3 +429,16 @@ def _stack_taps(taps: dict[int, Tensor], layers: tuple[int, ...]) -> Tensor:
 
 def _select(sampling: SamplingParams, rows: list[int]) -> SamplingParams:
     return SamplingParams(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows])
+
+
+def _load_companion(slot: str, part: Any, weights: ComponentWeights) -> None:
+    """Give ``part`` (the pipeline's ``slot``) the weights a drafter's checkpoint trained for it."""
+    if part is None:
+        return
+    if type(part) is not weights.kind:
+        if callable(getattr(part, "load_weights", None)):  # trained weights of another kind exist
+            raise ConfigError([f"{slot}.name: the drafter checkpoint {weights.source} trained a "
+                               f"{weights.kind.__name__} for this slot; the pipeline's is a {type(part).__name__} "
+                               "(choose the same kind, or one without weights such as 'none' to run without it)"])
+        return
+    part.load_weights(weights)

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from specforge.components import DraftBlock, DraftContext
-from specforge.sampling import draw_uniforms, sample_with_uniform, warp
+from specforge.sampling import sample_with_uniform, warp
 from specforge.training.contract import DataNeeds, LossOutput, MetricNames, TrainBatch
 
 METHOD = "hidden-head"
@@ -97,7 +97,7 @@ class HiddenHeadDrafter:
         if self.head is None:
             raise RuntimeError("bind() the drafter to a target first")
         r = len(ctx)
-        u = draw_uniforms(ctx.generators, 1)[:, 0, 0]  # one number per request and round
+        u = ctx.uniforms(1)[:, 0]  # one number per request and round, from its own generator
         f = ctx.features
         dim = self.head.proj.shape[0]
         for i, rid in enumerate(ctx.request_ids):
