@@ -1,5 +1,9 @@
 """``specforge conformance``: the suite from the command line.
 
+The command reaches the CLI like any plug-in's, through the ``specforge`` entry-point group and
+:func:`~specforge.hookspecs.specforge_register_commands`; this module stays cheap to import
+(the suite itself is imported when the command runs).
+
 Exit status 0 when every tested combination is certified (and, with ``--controls``, every control
 is rejected on every seed), 1 otherwise.
 """
@@ -11,17 +15,24 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["add_parser"]
+from specforge import hookimpl
+from specforge.files import write_atomic
+
+__all__ = ["add_arguments", "run"]
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "conformance",
+@hookimpl
+def specforge_register_commands(register):
+    register(
+        "conformance", add_arguments, run,
         help="statistically check that registered pipelines keep the target's output law",
         description="Runs the real engine with registered plug-ins on an exactly enumerable tiny "
         "target and tests the law of the generated sequences (chi-square, α = 1e-6 over the run). "
         "Lossy components are listed, never certified.",
     )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", action="append", default=[], metavar="NAME",
                    help="check only combinations that use this component (repeatable)")
     p.add_argument("--full", action="store_true",
@@ -37,12 +48,22 @@ def add_parser(sub) -> None:
     p.add_argument("--no-deterministic", action="store_true", help="skip the deterministic checks")
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the JSON report here")
     p.add_argument("--json", action="store_true", help="print the JSON report")
-    p.set_defaults(func=run)
+    actions = p.add_subparsers(dest="action", metavar="ACTION", title="actions",
+                               description="optional: without one, the suite runs")
+    summary = actions.add_parser(
+        "summary",
+        help="pool the --out files of a false-alarm run (--seeds) split over several processes",
+        description="Seeds, statistical cases, failures, re-runs, the smallest p-value against the "
+        "per-case α and the largest total-variation distance over every seed of the files given; "
+        "exit 1 if any seed failed.",
+    )
+    summary.add_argument("reports", nargs="+", metavar="FILE.json",
+                         help="reports written by `specforge conformance --out` (one seed or several)")
 
 
 def _write(path: str, payload: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=2))
+    write_atomic(path, json.dumps(payload, indent=2))  # a killed multi-seed run keeps whole files only
 
 
 def _emit(args, payload: dict, text: str) -> None:
@@ -56,6 +77,8 @@ def _progress(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "summary":
+        return _run_summary(args)
     if args.case:
         return _run_case(args)
     if args.controls is not None:
@@ -123,6 +146,14 @@ def _run_seeds(args: argparse.Namespace, tier: str) -> int:
         text += f"\n(failures from an earlier run are described in {args.out})"
     _emit(args, {"seeds": recs, "passed": not failed, "complete": True}, text)
     return 0 if not failed else 1
+
+
+def _run_summary(args: argparse.Namespace) -> int:
+    from specforge_conformance.summary import read_seeds, summarize
+
+    text, passed = summarize(read_seeds(args.reports))
+    print(text)
+    return 0 if passed else 1
 
 
 def _run_case(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from specforge.registry import ComponentKind
 
 __all__ = ["SLOTS", "Combination", "certification_blocker", "combinations", "covering_set", "incompatibility"]
 
-SLOTS = ("drafter", "correction_head", "confidence", "calibrator", "scheduler", "verifier")
+SLOTS = tuple(kind.value for kind in ComponentKind)  # the pipeline slots, in round order
 
 
 @dataclass(frozen=True, order=True)

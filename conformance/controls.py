@@ -20,12 +20,20 @@ from torch import Tensor
 
 from specforge import hookimpl
 from specforge.components import DraftBlock, VerifyOutput
+from specforge.config import DEFAULT_COMPONENTS
+from specforge.registry import ComponentKind
 from specforge.sampling import SamplingParams, sample_with_uniform
 from specforge_conformance.drafters import RandomDrafter, RandomDrafterConfig
 from specforge_plugins.schedulers.admission import admission_path, global_count
 from specforge_plugins.schedulers.hardware_aware import HardwareConfig
-from specforge_plugins.verifiers._base import VerifyInputs, accepted_prefix, gather_at
-from specforge_plugins.verifiers.rejection import RejectionConfig, RejectionVerifier
+from specforge_plugins.verifiers import (
+    RejectionConfig,
+    RejectionVerifier,
+    VerifyInputs,
+    accepted_prefix,
+    gather_at,
+    prepare,
+)
 
 __all__ = [
     "CONTROL_CASES",
@@ -54,7 +62,8 @@ class ResampleTargetVerifier(RejectionVerifier):
 
 
 class _RejectionMechanics(RejectionVerifier):
-    """The rejection rule written out, so that controls can break one step of it."""
+    """The rejection rule written out from the public building blocks of a verifier, so that
+    controls can break one step of it."""
 
     def accept_uniforms(self, inputs: VerifyInputs) -> Tensor:
         return inputs.uniforms[:, : inputs.gamma, 0]
@@ -70,7 +79,9 @@ class _RejectionMechanics(RejectionVerifier):
             law = torch.where(rejected, self.residual(law, q, inputs.tokens[rows, k]), law)
         return n, law
 
-    def _verify(self, inputs: VerifyInputs, sampling: SamplingParams) -> VerifyOutput:
+    def verify(self, target_logits: Tensor, draft_tokens: Tensor, draft_probs: Tensor | None, lengths: Tensor,
+               sampling: SamplingParams, uniforms: Tensor) -> VerifyOutput:
+        inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
         p = self.target_probs(inputs, sampling)
         g = inputs.gamma
         a = self.accept_probability(p[:, :g], inputs.probs, inputs.tokens)
@@ -184,8 +195,9 @@ class GlobalSearchScheduler:
 # batch, so a request's own x_1 only sways its admission when it is alone: it runs at batch 1 on
 # Appendix A's step curve, with confidences high enough that admitting two tokens can pay.
 _PROBE = ("random", {"gamma": 3})
-_REST = {"correction_head": ("none", {}), "confidence": ("constant", {}), "calibrator": ("identity", {}),
-         "scheduler": ("fixed", {})}
+# The slots a control does not exercise hold their pipeline defaults.
+_REST = {kind.value: (DEFAULT_COMPONENTS[kind], {}) for kind in (
+    ComponentKind.CORRECTION_HEAD, ComponentKind.CONFIDENCE, ComponentKind.CALIBRATOR, ComponentKind.SCHEDULER)}
 
 CONTROL_CASES: dict[str, dict] = {
     "resample-target": {"pipeline": {**_REST, "drafter": _PROBE, "verifier": ("resample-target", {})}},

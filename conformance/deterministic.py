@@ -81,7 +81,7 @@ def rollback(case: Case, host: PluginHost) -> Check:
         for event in engine.step():
             pass
         rounds += 1
-        for state in list(engine._active):  # noqa: SLF001 - the suite inspects the engine's slots
+        for state in engine.active:
             slot, history = state.slot, state.history
             length = engine.cache.lengths[slot]
             # The anchor at its position, read through the engine's cache; then undo the write.

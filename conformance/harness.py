@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from specforge import acceptance
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
@@ -103,7 +104,7 @@ class CaseResult:
 
     @property
     def tau(self) -> float:
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        return acceptance.tau(self.accepted, self.rounds) if self.rounds else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {

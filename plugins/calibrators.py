@@ -24,6 +24,7 @@ from torch import Tensor
 from specforge import hookimpl
 from specforge.components import CalibrationData
 from specforge.errors import SpecforgeError
+from specforge.files import replace_atomically
 from specforge.metrics import batched_ece, calibration_report, survival_outcomes
 
 __all__ = [
@@ -50,8 +51,9 @@ class CalibratorFileError(SpecforgeError, ValueError):
 
 def _write(path: str | Path, name: str, tensors: dict[str, Tensor]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
-              metadata={_NAME_KEY: name, _FORMAT_KEY: FORMAT})
+    with replace_atomically(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={_NAME_KEY: name, _FORMAT_KEY: FORMAT})
 
 
 def _read(path: str | Path, name: str) -> dict[str, Tensor]:

@@ -118,6 +118,11 @@ class DSparkConfidence(nn.Module):
     def _build(self, vocab: int, dim: int) -> None:
         self.config = self.config.model_copy(update={"vocab_size": vocab, "dim": dim})  # sizes travel with it
         r, gen = self.config.rank, torch.Generator().manual_seed(self.config.seed)
+        rows = getattr(self, "_rows", None)
+        if rows is not None:
+            vocab = int(rows.max()) + 1  # a row per draft id and one for every other token
+            self.config = self.config.model_copy(update={"vocab_size": vocab})
+            self.register_buffer("token_rows", rows.clone())
         if self.config.embedding == "own":
             self.embed = nn.Parameter(torch.randn(vocab, r, generator=gen))
         self.proj = nn.Linear(dim + r, 1)
@@ -128,17 +133,24 @@ class DSparkConfidence(nn.Module):
         if self.config.weights:
             self.load_state_dict(load_file(self.config.weights))
 
+    def restrict(self, token_rows: Tensor) -> None:
+        """Over a draft vocabulary: an own table of N + 1 rows (see the correction heads'
+        ``restrict``); a tied table follows its head.  Rebuilds a built head."""
+        rows = token_rows.to(torch.long)
+        self._rows = rows
+        if self.built:
+            self._build(int(rows.max()) + 1, self.config.dim or 0)
+
     def tie(self, head: nn.Module) -> None:
-        """Read E from a built correction head's token embedding W1 (``embedding="head"`` only)."""
+        """Read E from a built correction head's W1 through its ``embed_previous`` (``embedding="head"`` only)."""
         if self.config.embedding != "head":
             raise ValueError("tie() needs embedding='head'")
-        table = getattr(head, "token_embedding", None)
-        if table is None:
+        if not callable(getattr(head, "embed_previous", None)):
             raise ConfigError(["confidence.embedding: 'head' reads the correction head's token embedding; "
                                f"the pipeline's correction head ({type(head).__name__}) has none "
                                "(use markov, gated or rnn, or embedding='own')"])
-        if table.shape[1] != self.config.rank:
-            raise ValueError(f"the head's rank {table.shape[1]} differs from the confidence rank {self.config.rank}")
+        if head.config.rank != self.config.rank:
+            raise ValueError(f"the head's rank {head.config.rank} differs from the confidence rank {self.config.rank}")
         self.__dict__["_tied"] = head
 
     def share(self, correction_head: Any) -> None:
@@ -150,19 +162,29 @@ class DSparkConfidence(nn.Module):
         """Trained weights handed over by the engine (a drafter checkpoint's confidence head)."""
         load_trained(self, weights, "confidence")
 
+    def embed_previous(self, prev: Tensor) -> Tensor:
+        """E's rows for the previous tokens ``prev`` (target ids)."""
+        if self.config.embedding == "own":
+            rows = getattr(self, "token_rows", None)
+            return self.embed[prev if rows is None else rows[prev]]
+        if self._tied is None:
+            raise RuntimeError("dspark-head with embedding='head' must be tie()d to a correction head")
+        return self._tied.embed_previous(prev)
+
     @property
     def table(self) -> Tensor:
+        """E itself (the own table, or the tied head's W1)."""
         if self.config.embedding == "own":
             return self.embed
         if self._tied is None:
             raise RuntimeError("dspark-head with embedding='head' must be tie()d to a correction head")
-        return self._tied.token_embedding
+        return self._tied.w1
 
     def logits(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor:
         """``hidden [..., d]``, ``prev_tokens [...]`` (x_{k−1}) → pre-sigmoid ``[...]`` (training)."""
         if not self.built:
             raise RuntimeError("dspark-head: bind() it to a target (or give vocab_size/dim) first")
-        e = self.table[prev_tokens]
+        e = self.embed_previous(prev_tokens)
         return self.proj(torch.cat([hidden.to(e.dtype), e], dim=-1)).squeeze(-1)
 
     def estimate(self, block: DraftBlock) -> Tensor:

@@ -36,6 +36,9 @@ def load_trained(module: nn.Module, weights: ComponentWeights, slot: str) -> Non
     a weights file of its own; a rank that does not fit is one config error naming the key."""
     if getattr(module.config, "weights", None):  # the pipeline names its own weights: they win
         return
+    rows = weights.state.get("token_rows")
+    if rows is not None:  # trained over a draft vocabulary: take its shape before its values
+        module.restrict(rows)
     try:
         module.load_state_dict(weights.state)
     except RuntimeError as exc:
@@ -68,6 +71,7 @@ class _LowRankHead(nn.Module, ABC):
         # Inference copy of W2 in the bound target's half dtype, pre-packed on CPU (see project()).
         self._fast_dtype: torch.dtype | None = None
         self._fast: tuple[tuple[int, int], Any] | None = None
+        self._columns_cache: tuple[tuple[int, int], Tensor] | None = None
         if self.config.vocab_size is not None and (self.config.dim is not None or not self.needs_hidden):
             self._build(self.config.vocab_size, self.config.dim or 0)
 
@@ -79,20 +83,42 @@ class _LowRankHead(nn.Module, ABC):
         dtype = getattr(target, "dtype", None)
         self._fast_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else None
 
+    def restrict(self, token_rows: Tensor) -> None:
+        """Work over a draft vocabulary (:class:`specforge.vocab.DraftVocab`): ``token_rows [V]``
+        maps each target id to its draft id, or to N for a token outside the N-token vocabulary.
+        W2's columns (the bias) cover the N draft ids; W1 has a row per draft id plus one shared
+        by every other previous token (only an anchor can be one).  Rebuilds a built head."""
+        rows = token_rows.to(torch.long)
+        self._rows = rows
+        n = int(rows.max())  # the "outside" row index is N
+        self.config = self.config.model_copy(update={"vocab_size": n})
+        if self.built:
+            self._build(n, self.config.dim or 0)
+
     def _build(self, vocab: int, dim: int) -> None:
         # Record the sizes in the config, so that a checkpoint's config rebuilds the head alone.
         self.config = self.config.model_copy(update={"vocab_size": vocab, "dim": dim or None})
         r = self.config.rank
         gen = torch.Generator().manual_seed(self.config.seed)
+        rows = getattr(self, "_rows", None)
         # W1 is an embedding (unit-variance rows); W2 sets the bias scale, zero by default so
         # that training starts from the backbone's own distribution.
-        self.w1 = nn.Parameter(torch.randn(vocab, r, generator=gen))
+        self.w1 = nn.Parameter(torch.randn(vocab + (rows is not None), r, generator=gen))
         self.w2 = nn.Parameter(torch.zeros(r, vocab) if self.config.zero_init
                                else torch.randn(r, vocab, generator=gen) / r ** 0.5)
+        if rows is not None:
+            self.register_buffer("token_rows", rows.clone())
         self._build_extra(dim, gen)
         self.built = True
+        self._fast = self._columns_cache = None
         if self.config.weights:
             self.load_state_dict(load_file(self.config.weights))
+
+    def embed_previous(self, prev: Tensor) -> Tensor:
+        """W1's rows for the previous tokens ``prev`` (target ids): the e of every head's rule,
+        and the table a ``dspark-head`` confidence head may share (``embedding="head"``)."""
+        rows = getattr(self, "token_rows", None)
+        return self.w1[prev if rows is None else rows[prev]]
 
     def _build_extra(self, dim: int, gen: torch.Generator) -> None:
         pass
@@ -113,10 +139,6 @@ class _LowRankHead(nn.Module, ABC):
         names its own ``weights`` file keeps those."""
         load_trained(self, weights, "correction_head")
 
-    @property
-    def token_embedding(self) -> Tensor:
-        """W1 ∈ R^{V×r}, the previous-token embedding (a confidence head may share it)."""
-        return self.w1
 
     def _check(self, hidden: Tensor | None) -> None:
         if not self.built:
@@ -149,7 +171,17 @@ class _LowRankHead(nn.Module, ABC):
     def step(self, logits: Tensor, prev_token: Tensor, hidden: Tensor | None, state: Any) -> tuple[Tensor, Any]:
         """Slot k: ``logits [R, V]`` (U_k), ``prev_token [R]`` (x_{k−1}), ``hidden [R, d]`` (h_k)."""
         self._check(hidden)
-        bias, state = self._bias(prev_token, hidden, state)
+        code, state = self._code(prev_token, hidden, state)
+        return logits + self.project(code).to(logits.dtype), state
+
+    def step_on(self, logits: Tensor, support: Tensor, prev_token: Tensor, hidden: Tensor | None,
+                state: Any) -> tuple[Tensor, Any]:
+        """:meth:`step` restricted to ``support [R, K]`` token ids (``logits [R, K]`` are U_k there):
+        B_k is computed on those K columns of W2 only — r·K weights read instead of r·V."""
+        self._check(hidden)
+        code, state = self._code(prev_token, hidden, state)
+        columns = self._columns()[support]  # [R, K, r]: the W2 columns of the candidates
+        bias = torch.bmm(columns, code.to(columns.dtype)[:, :, None])[..., 0]
         return logits + bias.to(logits.dtype), state
 
     def forward_train(self, base_logits: Tensor, prev_tokens: Tensor, hidden: Tensor | None) -> Tensor:
@@ -159,12 +191,21 @@ class _LowRankHead(nn.Module, ABC):
         return base_logits + self._bias_all(prev_tokens, hidden).to(base_logits.dtype)
 
     @abstractmethod
-    def _bias(self, prev: Tensor, hidden: Tensor | None, state: Any) -> tuple[Tensor, Any]:
-        """``(bias [..., V], new state)`` of one slot (each head's own rule)."""
+    def _code(self, prev: Tensor, hidden: Tensor | None, state: Any) -> tuple[Tensor, Any]:
+        """``(u [..., r], new state)`` of one slot, each head's own rule; its bias is u·W2."""
 
     def _bias_all(self, prev: Tensor, hidden: Tensor | None) -> Tensor:
         # Stateless heads act position-wise, so the step rule applies to [B, S] as to [R].
-        return self._bias(prev, hidden, None)[0]
+        return self.project(self._code(prev, hidden, None)[0])
+
+    def _columns(self) -> Tensor:
+        """W2ᵀ ∈ R^{V×r}, contiguous (a row per token), for gathering a candidate set's columns;
+        refreshed whenever W2 changes, in the bound target's half dtype on CPU (as project())."""
+        key = (self.w2.data_ptr(), self.w2._version)
+        if self._columns_cache is None or self._columns_cache[0] != key:
+            dtype = self._fast_dtype if self._fast_dtype is not None and self.w2.device.type == "cpu" else self.w2.dtype
+            self._columns_cache = (key, self.w2.detach().t().contiguous().to(dtype))
+        return self._columns_cache[1]
 
 
 class MarkovHead(_LowRankHead):
@@ -172,8 +213,8 @@ class MarkovHead(_LowRankHead):
 
     needs_hidden = False
 
-    def _bias(self, prev: Tensor, hidden: Tensor | None, state: Any) -> tuple[Tensor, Any]:
-        return self.project(self.w1[prev]), state
+    def _code(self, prev: Tensor, hidden: Tensor | None, state: Any) -> tuple[Tensor, Any]:
+        return self.embed_previous(prev), state
 
 
 class GatedHead(_LowRankHead):
@@ -182,10 +223,10 @@ class GatedHead(_LowRankHead):
     def _build_extra(self, dim: int, gen: torch.Generator) -> None:
         self.gate = self._linear(dim + self.config.rank, self.config.rank, gen)
 
-    def _bias(self, prev: Tensor, hidden: Tensor | None, state: Any) -> tuple[Tensor, Any]:
-        e = self.w1[prev]
+    def _code(self, prev: Tensor, hidden: Tensor | None, state: Any) -> tuple[Tensor, Any]:
+        e = self.embed_previous(prev)
         g = torch.sigmoid(self.gate(torch.cat([hidden.to(e.dtype), e], dim=-1)))
-        return self.project(g * e), state
+        return g * e, state
 
 
 class RnnHead(_LowRankHead):
@@ -199,22 +240,22 @@ class RnnHead(_LowRankHead):
             raise RuntimeError("RnnHead: bind() it to a target (or give vocab_size/dim) first")
         return torch.zeros(batch, self.config.rank, dtype=self.w1.dtype, device=self.w1.device)
 
-    def _bias(self, prev: Tensor, hidden: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor]:
-        e = self.w1[prev]
+    def _code(self, prev: Tensor, hidden: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor]:
+        e = self.embed_previous(prev)
         s = torch.zeros_like(e) if state is None else state
         g, c, o = self.cell(torch.cat([s, e, hidden.to(e.dtype)], dim=-1)).chunk(3, dim=-1)
         g = torch.sigmoid(g)
         s = g * s + (1 - g) * torch.tanh(c)
-        return self.project(torch.tanh(o)), s
+        return torch.tanh(o), s
 
     def _bias_all(self, prev: Tensor, hidden: Tensor | None) -> Tensor:
         # The recurrence is inherently sequential; S = γ is small, so a Python loop is cheap.
         state = self.init_state(prev.shape[0])
-        out = []
+        codes = []
         for k in range(prev.shape[1]):
-            bias, state = self._bias(prev[:, k], hidden[:, k], state)
-            out.append(bias)
-        return torch.stack(out, dim=1)
+            code, state = self._code(prev[:, k], hidden[:, k], state)
+            codes.append(code)
+        return self.project(torch.stack(codes, dim=1))
 
 
 HEADS: dict[str, type[_LowRankHead]] = {"markov": MarkovHead, "gated": GatedHead, "rnn": RnnHead}

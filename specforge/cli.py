@@ -15,10 +15,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from specforge import __version__
+from specforge import __version__, acceptance
 from specforge.config import ConfigError, load_pipeline, preset_names
 from specforge.errors import SpecforgeError
-from specforge.plugins import get_host
+from specforge.bench.ab import ARMS as AB_ARMS
+from specforge.plugins import PluginHost, get_host
 from specforge.profiling import DEFAULT_BATCHES
 from specforge.registry import ComponentKind
 
@@ -56,6 +57,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     missing = [k.value for k in ComponentKind if not any(c["kind"] == k.value for c in info["components"])]
     if missing:
         console.print(f"no component registered yet for: {', '.join(missing)}")
+    if info["commands"]:
+        commands = Table(title="sub-commands from plug-ins")
+        for column in ("command", "package", "version", "help"):
+            commands.add_column(column, overflow="fold")
+        for c in info["commands"]:
+            commands.add_row(c["name"], c["package"], c["version"], c["help"])
+        console.print(commands)
     if info["failed"]:
         failed = Table(title="plug-ins that failed to load (skipped)", style="red")
         for column in ("plugin", "package", "version", "stage", "error"):
@@ -139,7 +147,7 @@ def _stats_line(outputs) -> str:
     started = min((o.stats.started for o in outputs if o.stats.started), default=0.0)
     finished = max((o.stats.finished or 0.0 for o in outputs), default=0.0)
     seconds = max(finished - started, 1e-9)
-    tau = (accepted + rounds) / rounds if rounds else 0.0
+    tau = acceptance.tau(accepted, rounds) if rounds else 0.0
     failed = sum(1 for o in outputs if o.error)
     return (f"[stats] requests={len(outputs)} failed={failed} new_tokens={tokens} rounds={rounds} "
             f"tau={tau:.2f} seconds={seconds:.2f} tokens/s={tokens / seconds:.1f}")
@@ -169,6 +177,34 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
                 f"{name} top-1 agreement {row['top1_agreement']:.4f}, mean KL {row['mean_kl']:.3g}"
                 for name, row in fidelity.items() if isinstance(row, dict)))
     print(f"wrote {json_path} and {png_path}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_bench_round(args: argparse.Namespace) -> int:
+    """The cost of each part of a speculative round (:mod:`specforge.bench.round`)."""
+    from specforge.bench.round import run_round_benchmark, save, table
+
+    result = run_round_benchmark(args.config or ["dspark"], args.overrides, concurrency=args.concurrency,
+                                 gammas=args.gamma, datasets=args.datasets, max_new_tokens=args.max_new_tokens,
+                                 repeats=args.repeats, eval_dir=args.eval_dir,
+                                 progress=lambda line: print(line, file=sys.stderr, flush=True))
+    json_path, png_path = save(result, Path(args.out))
+    print(json.dumps(result, indent=2) if args.json else table(result))
+    print(f"wrote {json_path} and {png_path}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_bench_ab(args: argparse.Namespace) -> int:
+    """Paired trials of decoding setups (:mod:`specforge.bench.ab`)."""
+    from specforge.bench.ab import run_ab, save, table
+
+    result = run_ab(args.arms, baseline=args.baseline, trials=args.trials, concurrency=args.concurrency,
+                    prompts=args.prompts, max_new_tokens=args.max_new_tokens, threads=args.threads,
+                    progress=lambda line: print(line, flush=True))
+    path = save(result, Path(args.out))
+    print(table(result))
+    print(f"({result['trials']} trials, c={result['concurrency']}, {result['max_new_tokens']} new tokens, "
+          f"{result['threads']} threads; wrote {path})")
     return EXIT_OK
 
 
@@ -277,18 +313,16 @@ def _add_eval_options(p: argparse.ArgumentParser, prompts: int, max_new_tokens: 
                    help="folder of the named prompt sets (default: the sets shipped with specforge)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="specforge",
-        description="Lossless speculative decoding from composable plug-ins.",
-    )
-    parser.add_argument("--version", action="version", version=f"specforge {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+# --- the parser: one function per built-in sub-command --------------------------------------------
 
+
+def _add_plugins(sub) -> None:
     p = sub.add_parser("plugins", help="list every registered component and failed plug-in")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plugins)
 
+
+def _add_config(sub) -> None:
     config = sub.add_parser("config", help="compose and validate pipeline configs")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = config_sub.add_parser(
@@ -306,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     presets = config_sub.add_parser("presets", help="list the shipped pipeline presets")
     presets.set_defaults(func=cmd_config_presets)
 
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser(
         "generate",
         help="generate text with a pipeline, streaming",
@@ -321,8 +357,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (JSON, a table and a plot)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
+    _add_bench_engine(bench_sub)
+    _add_bench_ab(bench_sub)
+    _add_bench_round(bench_sub)
+
+
+def _add_bench_engine(bench_sub) -> None:
     eb = bench_sub.add_parser(
         "engine",
         help="tokens/s of HF generate, the engine (plain and ngram) and vLLM CPU, in one run",
@@ -355,6 +399,49 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     eb.set_defaults(func=cmd_bench_engine)
 
+
+def _add_bench_round(bench_sub) -> None:
+    rb = bench_sub.add_parser(
+        "round",
+        help="each part of a speculative round, in plain decoding steps measured in the same run",
+        description="Plain and speculative greedy decoding of the same eval prompts, alternated; for each "
+                    "concurrency and γ: ingest, backbone, LM head, sequential stage, confidence, scheduler, "
+                    "verify pass, verifier and commit, in ms and in plain steps (JSON, table, stacked bars).")
+    rb.add_argument("--config", action="append", metavar="PRESET|FILE", help="pipeline (default: dspark)")
+    rb.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    rb.add_argument("--gamma", type=int, nargs="+", default=[4, 7, 16])
+    rb.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"])
+    rb.add_argument("--max-new-tokens", type=int, default=64)
+    rb.add_argument("--repeats", type=int, default=2, help="alternated plain/speculative runs per setting")
+    rb.add_argument("--eval-dir", default=None, metavar="DIR")
+    rb.add_argument("--out", default="runs/bench-round")
+    rb.add_argument("--json", action="store_true")
+    rb.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    rb.set_defaults(func=cmd_bench_round)
+
+
+def _add_bench_ab(bench_sub) -> None:
+    ab = bench_sub.add_parser(
+        "ab",
+        help="paired A/B of decoding setups: short trials, every arm back to back, ratios per trial",
+        description="Each trial runs one batch with every arm back to back (the order reversed from "
+        "trial to trial) and divides each arm's tokens/s by the baseline arm's in the same trial, so "
+        "the machine's drift mostly cancels; reports the median and quartiles of those ratios.  Arms: "
+        "hf (HF generate, bf16) and {eager,compiled}-{plain,ngram} of the engine, bf16; a native- "
+        "prefix runs the engine arm on the GGUF's 4-bit blocks.",
+    )
+    ab.add_argument("--arms", nargs="+", default=["hf", "eager-plain", "compiled-plain"], choices=AB_ARMS)
+    ab.add_argument("--baseline", default=None, help="arm the ratios divide by (default: the first)")
+    ab.add_argument("--trials", type=int, default=40)
+    ab.add_argument("--concurrency", type=int, default=1)
+    ab.add_argument("--prompts", type=int, default=8, help="prompts cycled through (humaneval, mt-bench)")
+    ab.add_argument("--max-new-tokens", type=int, default=32)
+    ab.add_argument("--threads", type=int, default=None)
+    ab.add_argument("--out", default="runs/engine-ab")
+    ab.set_defaults(func=cmd_bench_ab)
+
+
+def _add_profile(sub) -> None:
     pf = sub.add_parser(
         "profile",
         help="measure the target's step curve SPS(B) (the hardware profile hw-prefix/async-topk read)",
@@ -376,6 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--json", action="store_true", help="print the timings as JSON instead of the table")
     pf.set_defaults(func=cmd_profile)
 
+
+def _add_train(sub) -> None:
     tr = sub.add_parser(
         "train",
         help="train a drafter (resumes from the output directory's last checkpoint)",
@@ -391,6 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     tr.set_defaults(func=cmd_train)
 
+
+def _add_run(sub) -> None:
     rn = sub.add_parser(
         "run",
         help="the main job: regenerate data with the target, train a DSpark drafter, evaluate it",
@@ -405,6 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides")
     rn.set_defaults(func=cmd_run)
 
+
+def _add_eval(sub) -> None:
     ev = sub.add_parser(
         "eval",
         help="τ, acceptance per draft position and speedup of a pipeline on prompt sets",
@@ -424,9 +517,61 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*", metavar="key=value", help="pipeline overrides")
     ev.set_defaults(func=cmd_eval)
 
-    from specforge_conformance.cli import add_parser as add_conformance
 
-    add_conformance(sub)
+_BUILT_IN = (_add_plugins, _add_config, _add_generate, _add_bench, _add_profile, _add_train, _add_run, _add_eval)
+
+
+def _add_plugin_commands(sub, host: PluginHost) -> list[str]:
+    """The sub-commands plug-ins register (``specforge_register_commands``), after the built-in
+    ones; returns a note for each that could not be added."""
+    notes = []
+    for command in host.commands.values():
+        origin = f"plug-in {command.plugin!r} ({command.package})"
+        if command.name in sub.choices:
+            notes.append(f"command {command.name!r} of {origin} skipped: it is built in")
+            continue
+        p = sub.add_parser(command.name, help=command.help, description=command.description or command.help)
+        p.set_defaults(func=command.run)
+        try:
+            command.add_arguments(p)
+        except Exception as exc:  # noqa: BLE001 - one broken command must not take the whole CLI down
+            reason = f"command {command.name!r} of {origin} cannot declare its options: {type(exc).__name__}: {exc}"
+            p.set_defaults(func=_unusable(reason))
+            notes.append(reason)
+    return notes
+
+
+def _unusable(reason: str):
+    """A ``run`` that says why the command cannot run."""
+
+    def run(args: argparse.Namespace) -> int:
+        print(f"error: {reason}", file=sys.stderr)
+        return EXIT_FAILURE
+
+    return run
+
+
+def _plugin_epilog(host: PluginHost, notes: list[str]) -> str | None:
+    """What ``specforge --help`` says about plug-ins that did not load, so that a command missing
+    from the list is explained where it is missed."""
+    failed = [f"{f.plugin!r} ({f.package}, failed to {f.stage})" for f in host.failures]
+    skipped = [f"plug-ins skipped: {', '.join(failed)} (`specforge plugins` shows why)"] if failed else []
+    return "; ".join(skipped + notes) or None
+
+
+def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
+    """The whole command line: the built-in sub-commands, then those the plug-ins of ``host``
+    (default: the process-wide one) register."""
+    host = host or get_host()
+    parser = argparse.ArgumentParser(
+        prog="specforge",
+        description="Lossless speculative decoding from composable plug-ins.",
+    )
+    parser.add_argument("--version", action="version", version=f"specforge {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _BUILT_IN:
+        add(sub)
+    parser.epilog = _plugin_epilog(host, _add_plugin_commands(sub, host))
     return parser
 
 

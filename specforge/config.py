@@ -48,15 +48,8 @@ __all__ = [
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
-# Slots left out of a YAML take these components.  No drafter means plain decoding.
-DEFAULT_COMPONENTS: dict[ComponentKind, str | None] = {
-    ComponentKind.DRAFTER: None,
-    ComponentKind.CORRECTION_HEAD: "none",
-    ComponentKind.CONFIDENCE: "constant",
-    ComponentKind.CALIBRATOR: "identity",
-    ComponentKind.SCHEDULER: "fixed",
-    ComponentKind.VERIFIER: "rejection",
-}
+# Slots left out of a YAML take these components (the kinds' table).  No drafter means plain decoding.
+DEFAULT_COMPONENTS: dict[ComponentKind, str | None] = {kind: kind.spec.default for kind in ComponentKind}
 
 
 class ConfigError(SpecforgeError, ValueError):

@@ -31,6 +31,9 @@ function and you call it once per component you provide::
 The host owns ordering, validation and conflicts: a duplicate name is an error that names both
 packages, and a plug-in whose import or registration fails is reported and skipped.  pluggy never
 fills in default argument values, so hook implementations must accept ``register`` explicitly.
+
+One hook registers something other than a component: :func:`specforge_register_commands` adds a
+sub-command to the ``specforge`` command line, with a ``register`` of its own signature.
 """
 
 from __future__ import annotations
@@ -54,8 +57,11 @@ def specforge_register_drafters(register):
     Metadata: ``deterministic`` (bool, default ``False``) — the drafter's q is always one-hot;
     ``parallel`` (bool) — one backbone pass drafts the whole block; ``provides`` — the
     :class:`~specforge.components.DraftBlock` fields it fills among ``"probs"``, ``"logits"``,
-    ``"hidden"``; ``uses_correction_head`` (bool) — it runs the pipeline's correction head (if
-    not, only identity heads combine with it).
+    ``"hidden"``; ``uses_correction_head`` (bool) — it runs the pipeline's correction head,
+    handed over each round as ``DraftContext.correction_head`` (if not, only identity heads
+    combine with it); ``training`` — a training method (:mod:`specforge.training.contract`): a
+    class with a pydantic ``config`` model, which makes the drafter trainable by
+    ``specforge train drafter.name=<name>`` (shown as ``trainable`` by ``specforge plugins``).
     """
 
 
@@ -122,4 +128,25 @@ def specforge_register_verifiers(register):
     Metadata: ``lossless`` (bool, required) — whether the output law provably equals the
     target's; a lossy verifier is never certified by the conformance suite.
     ``greedy_only`` (bool) — valid only at temperature 0.
+    """
+
+
+@hookspec
+def specforge_register_commands(register):
+    """Register sub-commands of the ``specforge`` command line (``specforge conformance`` is one).
+
+    ``register(name, add_arguments, run, help="", description=None)``:
+
+    * ``name`` — lower-case, ``[a-z0-9][a-z0-9_-]*``; ``specforge NAME`` runs the command.  A
+      built-in command's name cannot be taken over.
+    * ``add_arguments(parser)`` — declares the command's options on its own
+      :class:`argparse.ArgumentParser`; it may add sub-parsers of its own.
+    * ``run(args)`` — runs the command with the parsed :class:`argparse.Namespace` and returns the
+      exit status (0 for success).  Raise :class:`specforge.errors.SpecforgeError` for bad input:
+      the CLI prints its message on one line and exits with status 2.
+    * ``help`` — the line ``specforge --help`` shows; ``description`` — the top of
+      ``specforge NAME --help`` (default: ``help``).
+
+    Keep the module the entry point names cheap to import (import heavy dependencies inside
+    ``run``): the CLI loads every plug-in to build its parser, whatever command it then runs.
     """

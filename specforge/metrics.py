@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specforge.acceptance import position_masks, rates
 from specforge.components import CalibrationData
 
 __all__ = [
@@ -134,13 +135,8 @@ def brier(pred: Tensor, observed: Tensor) -> float:
 # --- per-position statistics over held-out rounds ---------------------------------------------
 
 
-def survival_outcomes(data: CalibrationData) -> tuple[Tensor, Tensor]:
-    """``(verified, survived)``, both ``[N, G]`` bool, from the rounds' accept/verify counts.
-
-    ``verified[n, k-1]`` says position k was verified in round n (k ≤ verified_n): only those
-    positions have an observed outcome.  ``survived[n, k-1]`` is 1[accepted_n ≥ k], the event
-    that the first k draft tokens were all accepted.
-    """
+def _position_masks(data: CalibrationData) -> tuple[Tensor, Tensor, Tensor]:
+    """``(verified, reached, accepted)`` ``[N, G]`` masks of the rounds (specforge.acceptance)."""
     conf = data.confidence
     if conf.dim() != 2:
         raise ValueError(f"confidence must be [N, G], got shape {tuple(conf.shape)}")
@@ -151,39 +147,42 @@ def survival_outcomes(data: CalibrationData) -> tuple[Tensor, Tensor]:
         raise ValueError(f"accepted and verified need {n} entries, got {acc.numel()} and {ver.numel()}")
     if (acc < 0).any() or (acc > ver).any() or (ver > g).any():
         raise ValueError("need 0 ≤ accepted ≤ verified ≤ G in every round")
-    k = torch.arange(g)
-    return k[None, :] < ver[:, None], k[None, :] < acc[:, None]
+    return position_masks(ver, acc, g)
 
 
-def _column_means(values: Tensor, mask: Tensor) -> Tensor:
-    count = mask.sum(0).to(torch.float64)
-    total = (values.to(torch.float64) * mask).sum(0)
-    return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, math.nan))
+def survival_outcomes(data: CalibrationData) -> tuple[Tensor, Tensor]:
+    """``(verified, survived)``, both ``[N, G]`` bool, from the rounds' accept/verify counts.
+
+    ``verified[n, k-1]`` says position k was verified in round n (k ≤ verified_n): only those
+    positions have an observed outcome.  ``survived[n, k-1]`` is 1[accepted_n ≥ k], the event
+    that the first k draft tokens were all accepted.
+    """
+    verified, _, survived = _position_masks(data)
+    return verified, survived
+
+
+def _rates(hits: Tensor, trials: Tensor) -> Tensor:
+    return torch.tensor(rates(hits.sum(0).tolist(), trials.sum(0).tolist()), dtype=torch.float64)
 
 
 def prefix_survival(data: CalibrationData) -> Tensor:
     """``[G]`` observed prefix survival P(first k accepted), over the rounds that verified k.
 
-    ``nan`` where no round verified position k.
+    ``nan`` where no round verified position k.  Unlike the product of the conditional
+    acceptances (:func:`specforge.acceptance.survival`), a round that verified k after an
+    earlier rejection counts here, as the failure it is.
     """
-    verified, survived = survival_outcomes(data)
-    return _column_means(survived, verified)
-
-
-def _conditional_mask(verified: Tensor, survived: Tensor) -> Tensor:
-    # Position k is "reached" when it was verified and x_1..x_{k-1} were all accepted.
-    reached_prev = torch.ones_like(survived)
-    reached_prev[:, 1:] = survived[:, :-1]
-    return verified & reached_prev
+    verified, _, survived = _position_masks(data)
+    return _rates(survived, verified)
 
 
 def conditional_acceptance(data: CalibrationData) -> Tensor:
-    """``[G]`` observed P(x_k accepted | x_<k accepted), over rounds that verified position k.
+    """``[G]`` observed P(x_k accepted | x_<k accepted), over the rounds that reached position k.
 
     ``nan`` where no round reached position k.
     """
-    verified, survived = survival_outcomes(data)
-    return _column_means(survived, _conditional_mask(verified, survived))
+    _, reached, survived = _position_masks(data)
+    return _rates(survived, reached)
 
 
 def calibration_report(
@@ -206,8 +205,7 @@ def calibration_report(
     conf = conf.detach().to(device="cpu", dtype=torch.float64)
     if conf.shape != data.confidence.shape:
         raise ValueError(f"confidence shape {tuple(conf.shape)} != data {tuple(data.confidence.shape)}")
-    verified, survived = survival_outcomes(data)
-    reached = _conditional_mask(verified, survived)
+    verified, reached, survived = _position_masks(data)
     cum = conf.cumprod(dim=1)
     obs = survived.to(torch.float64)
     positions = []

@@ -16,9 +16,10 @@ specforge are found there too, exactly like a third party's.  Environment switch
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -37,7 +38,7 @@ from specforge.components import (
     Verifier,
 )
 from specforge.registry import (
-    KIND_HOOKS,
+    NAME_RE,
     ComponentKind,
     Registration,
     RegistrationError,
@@ -45,7 +46,7 @@ from specforge.registry import (
     make_registration,
 )
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginError", "PluginFailure", "PluginHost", "get_host"]
+__all__ = ["ENTRY_POINT_GROUP", "Command", "PluginError", "PluginFailure", "PluginHost", "get_host"]
 
 ENTRY_POINT_GROUP = "specforge"
 DISTRIBUTION = "specforge-lossless"
@@ -68,6 +69,36 @@ class PluginFailure:
 
     def describe(self) -> dict[str, str]:
         return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A sub-command of the ``specforge`` command line, as a plug-in registered it through
+    :func:`~specforge.hookspecs.specforge_register_commands`."""
+
+    name: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    help: str
+    description: str | None
+    plugin: str
+    package: str
+    version: str
+
+    def describe(self) -> dict[str, str]:
+        return {"name": self.name, "help": self.help, "plugin": self.plugin, "package": self.package,
+                "version": self.version}
+
+
+def _make_command(name: Any, add_arguments: Any, run: Any, help: str, description: str | None,
+                  **origin: str) -> Command:
+    """Check one ``register`` call of ``specforge_register_commands``."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise RegistrationError(f"command {name!r}: a name is lower-case letters, digits, '-' and '_'")
+    for role, fn in (("add_arguments", add_arguments), ("run", run)):
+        if not callable(fn):
+            raise RegistrationError(f"command {name!r}: {role} {fn!r} is not callable")
+    return Command(name, add_arguments, run, str(help), description, **origin)
 
 
 def _env_flag(name: str) -> bool:
@@ -101,6 +132,7 @@ class PluginHost:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.registry = Registry()
+        self.commands: dict[str, Command] = {}  # command line sub-commands, by name
         self.failures: list[PluginFailure] = []
         self._packages: dict[str, str] = {}  # plug-in name -> distribution
         self._loaded = False
@@ -152,7 +184,7 @@ class PluginHost:
     def add_plugin(
         self, plugin: Any, name: str, *, package: str = _UNKNOWN, version: str = ""
     ) -> bool:
-        """Register a plug-in object and collect its components.
+        """Register a plug-in object and collect its components and commands.
 
         All of the plug-in's registrations are accepted or, if any fails, none is: the plug-in is
         then unregistered and listed in :attr:`failures`.  Registering the same object twice is a
@@ -168,20 +200,24 @@ class PluginHost:
                        RegistrationError(f"plug-in name {name!r} is already used by {owner}"))
             return False
         collected: list[Registration] = []
+        commands: list[Command] = []
         try:
-            for kind, hook_name in KIND_HOOKS.items():
-                caller = self.pm.subset_hook_caller(
-                    hook_name,
-                    remove_plugins=[p for n, p in self.pm.list_name_plugin() if n != name],
-                )
-
+            for kind in ComponentKind:
                 def register(reg_name: Any, factory: Any, config: Any = None, _kind=kind, **meta: Any) -> None:
                     collected.append(
                         make_registration(_kind, reg_name, factory, config, meta,
                                           plugin=name, package=package, version=version)
                     )
 
-                caller(register=register)
+                self._own_hook(kind.spec.hook, name)(register=register)
+
+            def register_command(cmd_name: Any, add_arguments: Any, run: Any, help: str = "",
+                                 description: str | None = None) -> None:
+                commands.append(_make_command(cmd_name, add_arguments, run, help, description,
+                                              plugin=name, package=package, version=version))
+
+            self._own_hook("specforge_register_commands", name)(register=register_command)
+            self._check_command_names(commands)
             for reg in collected:
                 self.registry.add(reg)
         except BaseException as exc:  # noqa: BLE001
@@ -191,8 +227,22 @@ class PluginHost:
             self.pm.unregister(name=name)
             self._fail(name, package, version, "register", exc)
             return False
+        self.commands.update((c.name, c) for c in commands)
         self._packages[name] = package
         return True
+
+    def _own_hook(self, hook_name: str, plugin: str) -> Any:
+        """A caller of ``hook_name`` that reaches only ``plugin``, so that each plug-in's
+        registrations are collected (and fail) on their own."""
+        others = [p for n, p in self.pm.list_name_plugin() if n != plugin]
+        return self.pm.subset_hook_caller(hook_name, remove_plugins=others)
+
+    def _check_command_names(self, commands: list[Command]) -> None:
+        taken = {n: c.package for n, c in self.commands.items()}
+        for c in commands:
+            if c.name in taken:
+                raise RegistrationError(f"command {c.name!r} of {c.package} is already registered by {taken[c.name]}")
+            taken[c.name] = c.package
 
     def _fail(self, plugin: str, package: str, version: str, stage: str, exc: BaseException) -> None:
         message = f"{type(exc).__name__}: {exc}"
@@ -211,6 +261,9 @@ class PluginHost:
 
     def create(self, kind: ComponentKind | str, name: str, config: BaseModel | dict | None = None) -> Any:
         return self.get(kind, name).create(config)
+
+    # Typed shorthands of create(), one per kind, each returning the kind's protocol
+    # (tests/test_registry.py holds them to ComponentKind's table).
 
     def create_drafter(self, name: str, config: BaseModel | dict | None = None) -> Drafter:
         return self.create(ComponentKind.DRAFTER, name, config)
@@ -235,6 +288,7 @@ class PluginHost:
         self.load()
         return {
             "components": [reg.describe() for reg in self.registry],
+            "commands": [c.describe() for c in self.commands.values()],
             "failed": [f.describe() for f in self.failures],
         }
 

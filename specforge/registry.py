@@ -10,42 +10,26 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, field_validator
 
+from specforge.components import (
+    Calibrator,
+    ConfidenceEstimator,
+    CorrectionHead,
+    Drafter,
+    Scheduler,
+    Verifier,
+)
+
 __all__ = [
     "KIND_HOOKS",
     "ComponentKind",
     "EmptyConfig",
+    "KindSpec",
     "Registration",
     "RegistrationError",
     "Registry",
 ]
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
-
-
-class ComponentKind(str, Enum):
-    """The six component kinds; the value is the pipeline slot that selects one."""
-
-    DRAFTER = "drafter"
-    CORRECTION_HEAD = "correction_head"
-    CONFIDENCE = "confidence"
-    CALIBRATOR = "calibrator"
-    SCHEDULER = "scheduler"
-    VERIFIER = "verifier"
-
-    @property
-    def label(self) -> str:
-        """Human name used in messages ("correction head", "confidence estimator")."""
-        return "confidence estimator" if self is ComponentKind.CONFIDENCE else self.value.replace("_", " ")
-
-
-KIND_HOOKS: dict[ComponentKind, str] = {
-    ComponentKind.DRAFTER: "specforge_register_drafters",
-    ComponentKind.CORRECTION_HEAD: "specforge_register_correction_heads",
-    ComponentKind.CONFIDENCE: "specforge_register_confidence_estimators",
-    ComponentKind.CALIBRATOR: "specforge_register_calibrators",
-    ComponentKind.SCHEDULER: "specforge_register_schedulers",
-    ComponentKind.VERIFIER: "specforge_register_verifiers",
-}
 
 
 class RegistrationError(ValueError):
@@ -127,14 +111,56 @@ class VerifierMeta(_Meta):
     greedy_only: bool = False
 
 
-META_MODELS: dict[ComponentKind, type[_Meta]] = {
-    ComponentKind.DRAFTER: DrafterMeta,
-    ComponentKind.CORRECTION_HEAD: CorrectionHeadMeta,
-    ComponentKind.CONFIDENCE: ConfidenceMeta,
-    ComponentKind.CALIBRATOR: CalibratorMeta,
-    ComponentKind.SCHEDULER: SchedulerMeta,
-    ComponentKind.VERIFIER: VerifierMeta,
-}
+# --- the kinds ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """Everything the host knows about one component kind."""
+
+    slot: str  # the pipeline key that selects a component of this kind (the kind's value)
+    hook: str  # the hookspec in specforge.hookspecs through which plug-ins register them
+    metadata: type[_Meta]  # validates the ``**metadata`` of a ``register`` call
+    protocol: type  # what a factory returns (specforge.components)
+    default: str | None  # the component of a pipeline that leaves the slot out; None: optional
+    label: str  # how messages name the kind
+
+
+class ComponentKind(str, Enum):
+    """The component kinds, one row each: adding a kind is a row here plus its hookspec (pluggy
+    needs the function; tests/test_registry.py checks that the two agree)."""
+
+    spec: KindSpec
+
+    DRAFTER = KindSpec("drafter", "specforge_register_drafters", DrafterMeta, Drafter,
+                       default=None, label="drafter")  # no drafter: plain decoding
+    CORRECTION_HEAD = KindSpec("correction_head", "specforge_register_correction_heads", CorrectionHeadMeta,
+                               CorrectionHead, default="none", label="correction head")
+    CONFIDENCE = KindSpec("confidence", "specforge_register_confidence_estimators", ConfidenceMeta,
+                          ConfidenceEstimator, default="constant", label="confidence estimator")
+    CALIBRATOR = KindSpec("calibrator", "specforge_register_calibrators", CalibratorMeta, Calibrator,
+                          default="identity", label="calibrator")
+    SCHEDULER = KindSpec("scheduler", "specforge_register_schedulers", SchedulerMeta, Scheduler,
+                         default="fixed", label="scheduler")
+    VERIFIER = KindSpec("verifier", "specforge_register_verifiers", VerifierMeta, Verifier,
+                        default="rejection", label="verifier")
+
+    def __new__(cls, spec: KindSpec) -> ComponentKind:
+        # The value is the slot name, so ComponentKind("drafter") and kind == "drafter" work.
+        member = str.__new__(cls, spec.slot)
+        member._value_ = spec.slot
+        member.spec = spec
+        return member
+
+    @property
+    def label(self) -> str:
+        """Human name used in messages ("correction head", "confidence estimator")."""
+        return self.spec.label
+
+
+# Views of the table, by kind.
+KIND_HOOKS: dict[ComponentKind, str] = {kind: kind.spec.hook for kind in ComponentKind}
+META_MODELS: dict[ComponentKind, type[_Meta]] = {kind: kind.spec.metadata for kind in ComponentKind}
 
 
 @dataclass(frozen=True)
@@ -204,12 +230,12 @@ def make_registration(
         raise RegistrationError(f"{kind.label} {name!r}: factory {factory!r} is not callable")
     model = _check_config_model(kind, name, config)
     try:
-        meta = META_MODELS[kind].model_validate(metadata)
+        meta = kind.spec.metadata.model_validate(metadata)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(map(str, e['loc'])) or '(metadata)'}: {e['msg']}" for e in exc.errors()
         )
-        valid = ", ".join(META_MODELS[kind].model_fields)
+        valid = ", ".join(kind.spec.metadata.model_fields)
         raise RegistrationError(
             f"{kind.label} {name!r}: bad metadata ({problems}); valid keys: {valid}"
         ) from None

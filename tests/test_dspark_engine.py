@@ -164,6 +164,39 @@ def check_laws(calls, backbone, correction):
         assert int((block.probs > 0).sum(-1).max()) <= 20  # top-k applied to the reported law
 
 
+@pytest.mark.parametrize("head", HEADS)
+def test_the_restricted_sequential_stage_reports_the_law_it_samples(target, host, head):
+    """With ``candidates=K`` the head's bias is computed on the top-K of U_k only; q_k is the warp
+    of the corrected logits on those K tokens — exactly what x_k is drawn from — and zero
+    elsewhere.  The bias on the candidates equals the full-vocabulary head's there."""
+    k_top = 6
+    drafter = Recorder(host.get("drafter", "dspark").config(gamma=4, layers=2, candidates=k_top))
+    engine = make_engine(target, host, drafter=drafter, head=head, temperature=0.9, top_k=4)
+    engine.generate(requests())
+    correction = engine.correction_head
+    with torch.inference_mode():
+        for ctx, block in drafter.calls:
+            g = block.tokens.shape[1]
+            if g == 0:
+                continue
+            base = drafter.backbone.logits(block.hidden)
+            support = base.topk(k_top, dim=-1).indices
+            inside = torch.zeros_like(block.probs, dtype=torch.bool).scatter(-1, support, True)
+            assert bool((block.probs[~inside] == 0).all()) and bool(torch.isinf(block.logits[~inside]).all())
+            torch.testing.assert_close(block.probs.sum(-1), torch.ones(block.probs.shape[:2]), rtol=0, atol=1e-6)
+            state, prev = correction.init_state(len(ctx)), block.anchor
+            for k in range(g):
+                full, state = correction.step(base[:, k], prev, block.hidden[:, k], state)
+                torch.testing.assert_close(block.logits[:, k].gather(1, support[:, k]), full.gather(1, support[:, k]),
+                                           rtol=0, atol=1e-5)
+                prev = block.tokens[:, k]
+            # The reported law is the warp (T = 0.9, top-4) of the logits on the candidates.
+            restricted = block.logits.gather(-1, support)
+            torch.testing.assert_close(block.probs.gather(-1, support), warp(restricted, ctx.sampling), rtol=0, atol=1e-7)
+            drawn = block.probs.gather(-1, block.tokens[..., None])
+            assert bool((drawn > 0).all()) and int((block.probs > 0).sum(-1).max()) <= 4
+
+
 def test_greedy_law_is_one_hot_argmax(target, host):
     drafter = Recorder(host.get("drafter", "dspark").config(gamma=3, layers=1))
     make_engine(target, host, drafter=drafter).generate(requests(6))

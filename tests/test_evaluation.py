@@ -60,6 +60,15 @@ def test_summary_and_table_cover_every_row():
     assert "acc@2" in text and "mean (T=0)" in text and text.count("\n") == len(rows) + 3
 
 
+def test_the_table_shows_draft_vocabulary_coverage_when_there_is_one():
+    row = {"dataset": "a", "temperature": 0.0, "tau": 2.0, "acceptance": [0.5], "speedup": 1.5, "tok_s": 10.0,
+           "ar_tok_s": 8.0, "latency_share": {}, "vocab_coverage": 0.9731}
+    text = table({"results": [row], "summary": summarize([row])})
+    assert "vocab %" in text.splitlines()[0] and "97.3" in text
+    plain = {k: v for k, v in row.items() if k != "vocab_coverage"}
+    assert "vocab %" not in table({"results": [plain], "summary": {}})
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A tiny checkpoint, conversations, eval prompts and a main-job config with regeneration."""

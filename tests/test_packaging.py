@@ -24,7 +24,7 @@ def test_wheel_contains_every_entry_point_module_and_preset(tmp_path):
     parser.read_string(zipfile.ZipFile(wheel).read(info).decode())
     targets = dict(parser["specforge"])
     assert set(targets) == {
-        "verifiers", "schedulers", "calibrators", "confidence", "correction_heads", "drafters"
+        "verifiers", "schedulers", "calibrators", "confidence", "correction_heads", "drafters", "conformance"
     }
     for module in targets.values():
         path = module.replace(".", "/")

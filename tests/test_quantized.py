@@ -253,6 +253,7 @@ def test_the_pipeline_config_has_the_switch():
         TargetConfig(weights="int4")
 
 
+@pytest.mark.slow  # the real SmolLM2, end to end
 def test_the_embedded_smollm2_runs_natively_and_close_to_float32():
     target = TargetModel.load("smollm2", "bfloat16", weights="native")
     assert target.weights == {"native": 4 * target.args.n_layers + 1, "dense": 0}
@@ -335,6 +336,7 @@ def test_native_weights_in_float32_are_refused_before_loading(monkeypatch):
         TargetModel.load("smollm2", "float32", weights="native")
 
 
+@pytest.mark.slow  # profiles the real SmolLM2
 def test_profile_cli_measures_the_native_target(tmp_path):
     import json
     import subprocess

@@ -135,3 +135,68 @@ def test_the_trainer_sees_only_the_contract():
     hits = subprocess.run(["grep", "-rn", "specforge_plugins", str(REPO / "specforge")],
                           capture_output=True, text=True).stdout.splitlines()
     assert hits == [], hits
+
+
+def test_a_draft_vocabulary_is_chosen_from_the_data_trained_saved_and_served(target, tmp_path):
+    """``draft_vocab=N``: the N most frequent supervised tokens become the vocabulary (d2t/t2d in
+    the checkpoint); the drafter never proposes a token outside it and reports q = 0 there."""
+    from specforge.config import load_pipeline
+    from specforge.engine import Engine, GenerationRequest
+    from specforge.vocab import DraftVocab
+    from safetensors.torch import load_file
+
+    source = tiny_source(target)
+    drafter = {"draft_vocab": 24, "head": {"name": "markov", "rank": 8},
+               "confidence": {"name": "dspark-head", "rank": 8, "embedding": "head"}}
+    trainer = Trainer(_config(tmp_path, drafter, steps=3), target=target, source=source, log=lambda _: None)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    assert all(r["loss"] == r["loss"] for r in history)
+    counts = trainer._token_counts()
+    vocab = trainer.method.vocab
+    assert vocab.size == 24 and torch.equal(vocab.ids, DraftVocab.most_frequent(counts, 24).ids)
+    tensors = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    assert torch.equal(DraftVocab.from_maps(tensors["vocab.d2t"], tensors["vocab.t2d"]).ids, vocab.ids)
+    assert tensors["head.w1"].shape == (25, 8) and tensors["head.w2"].shape == (8, 24)
+    meta = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert meta["backbone"]["draft_vocab_size"] == 24 and 0 < meta["drafter"]["train_coverage"] <= 1
+
+    sections = trainer.method.pipeline(tmp_path / "drafter")
+    engine = Engine.from_pipeline(load_pipeline(["default"], ["sampling.temperature=1.0"], sections=sections), target)
+    blocks = []
+    draft = engine.drafter.draft
+    engine.drafter.draft = lambda ctx: blocks.append(draft(ctx)) or blocks[-1]
+    outs = engine.generate([GenerationRequest(prompt_ids=[3, 5, 7, 9], max_new_tokens=12, seed=s) for s in range(3)])
+    assert all(o.error is None for o in outs)
+    inside = vocab.t2d
+    for block in blocks:
+        if block.tokens.shape[1]:
+            assert bool(inside[block.tokens].all())
+            assert bool((block.probs[..., ~inside] == 0).all())
+            torch.testing.assert_close(block.probs.sum(-1), torch.ones(block.probs.shape[:2]), rtol=0, atol=1e-5)
+
+
+def test_the_draft_vocabulary_maps_round_trip_and_refuse_bad_input():
+    from specforge.vocab import DraftVocab, DraftVocabError
+
+    counts = torch.tensor([5, 0, 9, 9, 1, 7, 0, 2])
+    vocab = DraftVocab.most_frequent(counts, 4)
+    assert vocab.ids.tolist() == [0, 2, 3, 5]  # ties keep the smaller id
+    assert vocab.d2t.tolist() == [0, 1, 1, 2] and vocab.t2d.tolist() == [1, 0, 1, 1, 0, 1, 0, 0]
+    again = DraftVocab.from_maps(vocab.d2t, vocab.t2d)
+    assert torch.equal(again.ids, vocab.ids)
+    ids = torch.tensor([[5, 1], [0, 3]])
+    assert vocab.to_draft(ids).tolist() == [[3, -1], [0, 2]]
+    assert torch.equal(vocab.to_target(vocab.to_draft(torch.tensor([0, 2, 3, 5]))), torch.tensor([0, 2, 3, 5]))
+    assert vocab.token_rows().tolist() == [0, 4, 1, 2, 4, 3, 4, 4]
+    assert vocab.coverage(torch.tensor([0, 1, 2, 3])) == 0.75
+    with pytest.raises(DraftVocabError, match="larger than the target's 8"):
+        DraftVocab(torch.arange(9), 8)
+    with pytest.raises(DraftVocabError, match="disagree"):
+        DraftVocab.from_maps(vocab.d2t, torch.zeros(8, dtype=torch.bool))
+    with pytest.raises(DraftVocabError, match="the bound target has 96"):
+        vocab.check_target(96, "x")
+    with pytest.raises(TrainConfigError, match="drafter.draft_vocab: Input should be greater than or equal to 1"):
+        load_train_config("quick", ["drafter.draft_vocab=0"])

@@ -14,7 +14,9 @@ from specforge_plugins.drafters.ngram import NgramConfig, NgramDrafter
 __all__ = ["DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter", "NgramConfig", "NgramDrafter"]
 
 # Small enough for the conformance suite's reference targets (2 layers, d = 32, V = 8–32).
-_BLOCK_EXAMPLES = ({"gamma": 3, "layers": 1}, {"gamma": 4, "layers": 2, "seed": 1})
+# The third restricts the sequential stage to the top-4 tokens of U_k (q is zero elsewhere).
+_BLOCK_EXAMPLES = ({"gamma": 3, "layers": 1}, {"gamma": 4, "layers": 2, "seed": 1},
+                   {"gamma": 3, "layers": 1, "candidates": 4})
 
 
 @hookimpl

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from specforge.components import ComponentWeights, DraftBlock, DraftContext
 from specforge.sampling import sample_with_uniform, warp
+from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.block.checkpoint import load_drafter
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.context import ContextCache
@@ -52,6 +53,10 @@ class DSparkConfig(BaseModel):
     seed: int = Field(0, description="seed of the random initialisation")
     dtype: Literal["float32", "target"] = Field(
         "float32", description="float32, or 'target': run the backbone in the target's dtype")
+    candidates: int | None = Field(
+        None, ge=1, description="sequential stage on the top-K tokens of the base logits U_k only: the "
+                                "correction head reads K columns of W2 instead of V, and q_k is the exact "
+                                "law on those K tokens (zero elsewhere); None: the full vocabulary")
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -87,8 +92,10 @@ class BlockDrafter:
         self.feature_layers: tuple[int, ...] = ()  # fixed at bind(), from the target's depth
         self._contexts: ContextCache | None = None
         # Wall time of the sequential stage's correction-head calls, for latency breakdowns
-        # (the paper reports the Markov head at 0.2–1.3 % of a round).
+        # (the paper reports the Markov head at 0.2–1.3 % of a round), and of each part of a
+        # draft (`specforge bench round` reads them).
         self.head_seconds = 0.0
+        self.part_seconds: dict[str, float] = dict.fromkeys(("ingest", "backbone", "lm_head", "sequential"), 0.0)
 
     # -- set-up ----------------------------------------------------------------------------------
 
@@ -119,6 +126,12 @@ class BlockDrafter:
             args, draft_layers=self.config.layers or self.default_layers, target_layers=layers,
             gamma=self.gamma, predict_anchor=self.predict_anchor)
 
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        """The tokens this drafter can propose (None: all of the target's); evaluation reports
+        how much of what the target writes lies inside."""
+        return None if self.backbone is None else self.backbone.vocab
+
     def companion_weights(self) -> dict[str, ComponentWeights]:
         """The checkpoint's trained correction head and confidence head, for the engine to load
         into the pipeline's components of those slots (the lifecycle of specforge.components)."""
@@ -139,7 +152,9 @@ class BlockDrafter:
     def draft(self, ctx: DraftContext) -> DraftBlock:
         if self.backbone is None or self._contexts is None:
             raise RuntimeError("bind() the drafter to a target first")
+        clock = time.perf_counter()
         self._ingest(ctx)
+        clock = self._lap("ingest", clock)
         r, anchor = len(ctx), ctx.anchor
         # A fixed γ uniforms per request and round, so a seeded request's stream does not depend
         # on its batch-mates (how many slots the batch drafts).
@@ -150,26 +165,68 @@ class BlockDrafter:
             return DraftBlock(tokens=empty, lengths=torch.zeros(r, dtype=torch.long), anchor=anchor)
         hidden = self._parallel(ctx)  # [R, γ, d]: the whole block, as trained (it is bidirectional)
         hidden = hidden[:, :g]
+        clock = self._lap("backbone", clock)
         base = self.backbone.logits(hidden)  # only the slots worth drafting go through the LM head
-        in_head = 0.0
-        tokens = torch.empty(r, g, dtype=torch.long)
-        logits = torch.empty_like(base)
-        probs = torch.empty_like(base)
-        head = ctx.correction_head
-        state = head.init_state(r) if head is not None else None
-        prev = anchor
-        for k in range(g):
-            step = base[:, k]
-            if head is not None:
-                t0 = time.perf_counter()
-                step, state = head.step(step, prev, hidden[:, k], state)
-                in_head += time.perf_counter() - t0
-            logits[:, k] = step
-            probs[:, k] = warp(step, ctx.sampling)  # the exact law x_k is drawn from
-            prev = tokens[:, k] = sample_with_uniform(probs[:, k], u[:, k])
-        self.head_seconds += in_head
+        clock = self._lap("lm_head", clock)
+        tokens, logits, probs = self._sequential(ctx, base, hidden, u)
+        self._lap("sequential", clock)
         lengths = torch.minimum(torch.full((r,), g, dtype=torch.long), ctx.max_tokens)
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=logits, hidden=hidden, anchor=anchor)
+
+    def _lap(self, part: str, since: float) -> float:
+        now = time.perf_counter()
+        self.part_seconds[part] += now - since
+        return now
+
+    def _sequential(self, ctx: DraftContext, base: Tensor, hidden: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Left to right over the ``g`` slots: the correction head biases U_k given x_{k−1}, and
+        x_k is drawn from the warp of the result with the request's own uniform.
+
+        The columns of ``base [R, g, N]`` are draft ids (the target's ids without a draft
+        vocabulary).  Two restrictions make a slot cheaper without touching losslessness, since
+        each q_k is reported exactly as sampled and the verifier corrects for any q: a draft
+        vocabulary (q_k is zero outside its N tokens) and ``candidates`` (the head's bias, and
+        q_k, only on the top-K of U_k, which is fixed before x_k is drawn).
+        Returns target-id ``tokens [R, g]``, and ``logits``/``probs`` ``[R, g, V]``.
+        """
+        r, g, n = base.shape
+        head = ctx.correction_head
+        state = head.init_state(r) if head is not None else None
+        vocab = self.backbone.vocab
+        k_top = self.config.candidates if self.config.candidates is not None and self.config.candidates < n else None
+        if vocab is None and k_top is None:  # the plain stage: every slot over the whole vocabulary
+            logits, probs = torch.empty_like(base), torch.empty_like(base)
+        else:
+            v = self.backbone.config.vocab_size
+            logits = torch.full((r, g, v), float("-inf"), dtype=base.dtype)
+            probs = torch.zeros(r, g, v, dtype=base.dtype)
+        support = base.topk(k_top, dim=-1).indices if k_top is not None else None  # [R, g, K] draft ids
+        every = torch.arange(n).expand(r, n)
+        tokens = torch.empty(r, g, dtype=torch.long)
+        prev, in_head = ctx.anchor, 0.0
+        for k in range(g):
+            t0 = time.perf_counter()
+            if support is None:
+                cols, step = every, base[:, k]
+                if head is not None:
+                    step, state = head.step(step, prev, hidden[:, k], state)
+            else:
+                cols, step = support[:, k], base[:, k].gather(1, support[:, k])
+                if head is not None:
+                    step, state = _step_on(head, base[:, k], cols, prev, hidden[:, k], state)
+            in_head += time.perf_counter() - t0 if head is not None else 0.0
+            law = warp(step, ctx.sampling)  # the exact law x_k is drawn from, on ``cols``
+            pick = cols.gather(1, sample_with_uniform(law, u[:, k])[:, None])[:, 0]
+            if vocab is None and k_top is None:
+                logits[:, k], probs[:, k] = step, law
+                prev = tokens[:, k] = pick
+                continue
+            cols_t = cols if vocab is None else vocab.ids[cols]  # the target ids of those columns
+            logits[:, k].scatter_(1, cols_t, step)
+            probs[:, k].scatter_(1, cols_t, law)
+            prev = tokens[:, k] = pick if vocab is None else vocab.ids[pick]
+        self.head_seconds += in_head
+        return tokens, logits, probs
 
     def _ingest(self, ctx: DraftContext) -> None:
         """Append the newly committed positions' context K/V, for all requests in one pass."""
@@ -225,3 +282,14 @@ def _check_fits(c: BlockDrafterConfig, args: Any, where: str | None) -> None:
         if getattr(c, key) != value:
             raise ValueError(f"{where}: trained for a target with {key}={getattr(c, key)}; "
                              f"the bound target has {key}={value}")
+
+
+def _step_on(head: Any, base: Tensor, support: Tensor, prev: Tensor, hidden: Tensor, state: Any) -> tuple[Tensor, Any]:
+    """The corrected logits of slot k on the candidates ``support [R, K]`` only, from the base
+    logits ``base [R, V]``: the head's ``step_on`` when it has one (the shipped low-rank heads
+    read K columns of W2), else its full-vocabulary ``step``, gathered."""
+    step_on = getattr(head, "step_on", None)
+    if callable(step_on):
+        return step_on(base.gather(1, support), support, prev, hidden, state)
+    out, state = head.step(base, prev, hidden, state)
+    return out.gather(1, support), state

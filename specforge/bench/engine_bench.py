@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specforge.acceptance import AcceptanceCounts
 from specforge.bench.hf_baseline import bench_hf, rounds_for, summarize
 from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.config import EngineConfig, SamplingConfig
@@ -27,7 +30,7 @@ from specforge.plugins import get_host
 from specforge.profiling import DEFAULT_BATCHES, measure_sps
 from specforge.target import TargetModel
 
-__all__ = ["ENGINE_VARIANTS", "bench_engine_variant", "run_engine_benchmark", "table", "plot"]
+__all__ = ["ENGINE_VARIANTS", "bench_engine_variant", "run_engine_benchmark", "table", "plot", "variant_engine"]
 
 # variant -> drafter (name, config) or None for plain decoding
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
@@ -42,8 +45,11 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
 HW_CONFIDENCE = 0.4
 
 
-def _engine(target: TargetModel, variant: str, concurrency: int, max_new_tokens: int,
-            profile: HardwareProfile | None = None) -> Engine:
+def variant_engine(target: TargetModel, variant: str, concurrency: int, max_new_tokens: int,
+                   profile: HardwareProfile | None = None) -> Engine:
+    """The engine one of :data:`ENGINE_VARIANTS` decodes with: greedy, ``concurrency`` requests at
+    a time, ``max_new_tokens`` each by default (``profile``: the step curve of the ``-hw``
+    variants)."""
     host = get_host()
     spec = ENGINE_VARIANTS[variant]
     parts: dict[str, Any] = {}
@@ -82,7 +88,7 @@ def bench_engine_variant(
     from tqdm.auto import tqdm
 
     system = _system(target)
-    engine = _engine(target, variant, concurrency, max_new_tokens, profile)
+    engine = variant_engine(target, variant, concurrency, max_new_tokens, profile)
     plan = rounds_for(len(prompt_ids), concurrency, min_rounds)
 
     def requests(indices: Sequence[int], n: int) -> list[GenerationRequest]:
@@ -101,11 +107,11 @@ def bench_engine_variant(
     record = {"system": system, "variant": variant, "dtype": str(target.dtype).replace("torch.", ""),
               "concurrency": concurrency, "status": "ok", "reason": None}
     record.update(summarize(times, counts, ptoks))
-    rounds = sum(s.rounds for s in stats)
+    pooled = AcceptanceCounts.pooled(stats)
     record["extra"] = {
-        "tau": round((sum(s.accepted for s in stats) + rounds) / rounds, 4) if rounds else None,
-        "verified": sum(s.verified for s in stats),
-        "accepted": sum(s.accepted for s in stats),
+        "tau": round(pooled.tau, 4) if pooled.rounds else None,
+        "verified": pooled.verified,
+        "accepted": pooled.accepted,
     }
     return record
 
@@ -191,69 +197,28 @@ def run_engine_benchmark(
     compiled target forward (system ``specforge-compiled``), interleaved with the eager one.
     ``weights="native"`` runs the engine on the GGUF's 4-bit blocks and adds ``fidelity``."""
     target = TargetModel.load("smollm2", dtype, weights=weights)
-    trunk = None
-    if compiled and "specforge" in systems:
-        # One compiled trunk for the whole run, switched on and off per measurement, so its
-        # graphs are compiled once (during the first warm-ups).
-        if target.runtime.compile():
-            trunk = target.runtime.compiled
-        target.runtime.compile(False)
+    trunk = _compiled_trunk(target) if compiled and "specforge" in systems else None
     picked = select_prompts(datasets, n_prompts, directory=eval_directory)
-    prompt_ids = [apply_chat_template(target.tokenizer, p.text) for p in picked]
+    prompt_ids = _templated(target, picked)
     records: list[dict[str, Any]] = []
     if "hf" in systems:
         # HF at concurrency 1 is the baseline every ratio divides by; the engine's own weights
         # are a separate copy, so this measures transformers' generate unchanged.
         records.extend(bench_hf(prompt_ids, dtypes=[dtype], concurrencies=[1],
                                 max_new_tokens=max_new_tokens, progress=progress))
-    profile_records = profile_compiled = compiled_records = None
+    curves = _StepCurves(profile, profile)
     if "specforge" in systems:
-        profile_compiled = profile
-        if profile is None:
-            # Up to the largest verify pass a round can form: every request with its full block.
-            gamma = max(spec[1]["gamma"] for spec in ENGINE_VARIANTS.values() if spec is not None)
-            largest = max(concurrency) * (gamma + 1)
-            batches = sorted({b for b in DEFAULT_BATCHES if b < largest} | {largest})
-            profile, profile_records = measure_sps(target, batches, requests=max(concurrency), progress=progress)
-            if trunk is not None:
-                # The compiled forward's step curve has another shape (it removes per-token
-                # overhead, which weighs most on small passes), so its ngram-hw schedules with it.
-                target.runtime.compiled = trunk
-                try:
-                    profile_compiled, compiled_records = measure_sps(target, batches, requests=max(concurrency),
-                                                                     progress=progress)
-                finally:
-                    target.runtime.compiled = None
-        for c in concurrency:
-            for variant in ENGINE_VARIANTS:
-                records.append(bench_engine_variant(target, prompt_ids, variant, c, max_new_tokens,
-                                                    progress=progress, profile=profile))
-                if trunk is not None:
-                    target.runtime.compiled = trunk
-                    try:  # a longer warm-up: the graphs generalise their sizes on the first passes
-                        records.append(bench_engine_variant(target, prompt_ids, variant, c, max_new_tokens,
-                                                            progress=progress, profile=profile_compiled,
-                                                            warmup_tokens=32))
-                    finally:
-                        target.runtime.compiled = None
+        curves = _step_curves(target, trunk, profile, concurrency, progress)
+        records.extend(_bench_engine(target, trunk, prompt_ids, concurrency, max_new_tokens, curves, progress))
     if "vllm" in systems:
         from specforge.bench.vllm_client import bench_vllm
 
         records.extend(bench_vllm(prompt_ids, concurrencies=list(concurrency),
                                   max_new_tokens=max_new_tokens, dtype=dtype, progress=progress))
     add_ratios(records)
-    by_dataset = {}
-    for name in per_dataset:
-        ids = [apply_chat_template(target.tokenizer, p.text)
-               for p in select_prompts([name], n_prompts, directory=eval_directory)]
-        plain = bench_engine_variant(target, ids, "plain", 1, max_new_tokens, progress=progress)
-        ngram = bench_engine_variant(target, ids, "ngram", 1, max_new_tokens, progress=progress)
-        by_dataset[name] = {"plain_tok_s": plain["tok_s"], "ngram_tok_s": ngram["tok_s"],
-                            "ngram_over_ar": round(ngram["tok_s"] / plain["tok_s"], 3),
-                            "tau": ngram["extra"]["tau"]}
-    fidelity = None
-    if weights == "native":
-        fidelity = _fidelity(target, prompt_ids[:12], progress)
+    by_dataset = {name: _ngram_over_plain(target, select_prompts([name], n_prompts, directory=eval_directory),
+                                          max_new_tokens, progress) for name in per_dataset}
+    fidelity = _fidelity(target, prompt_ids[:12], progress) if weights == "native" else None
     return {
         "model": "SmolLM2-135M-Instruct",
         "dtype": dtype,
@@ -265,11 +230,90 @@ def run_engine_benchmark(
         "records": records,
         "per_dataset_ngram": by_dataset,
         "compiled": None if not compiled else (trunk is not None and trunk.failed is None),
-        "hardware_profile": None if profile is None else profile.to_dict(),
-        "profile_timings": profile_records,
-        "hardware_profile_compiled": None if compiled_records is None else profile_compiled.to_dict(),
-        "profile_timings_compiled": compiled_records,
+        "hardware_profile": None if curves.eager is None else curves.eager.to_dict(),
+        "profile_timings": curves.eager_timings,
+        "hardware_profile_compiled": None if curves.compiled_timings is None else curves.compiled.to_dict(),
+        "profile_timings_compiled": curves.compiled_timings,
     }
+
+
+def _templated(target: TargetModel, prompts) -> list[list[int]]:
+    return [apply_chat_template(target.tokenizer, p.text) for p in prompts]
+
+
+def _compiled_trunk(target: TargetModel):
+    """One compiled trunk for the whole run (None where torch.compile is unavailable), switched on
+    and off per measurement with :func:`_compiled`, so its graphs are compiled once (during the
+    first warm-ups)."""
+    trunk = target.runtime.compiled if target.runtime.compile() else None
+    target.runtime.compile(False)
+    return trunk
+
+
+@contextmanager
+def _compiled(target: TargetModel, trunk) -> Iterator[None]:
+    """Run the target's compiled forward inside the block, the eager one again after it."""
+    target.runtime.compiled = trunk
+    try:
+        yield
+    finally:
+        target.runtime.compiled = None
+
+
+@dataclass(frozen=True)
+class _StepCurves:
+    """The step curves the ``ngram-hw`` variants schedule with, eager and compiled, with the
+    timings they were measured from (None: given by the caller, or not measured)."""
+
+    eager: HardwareProfile | None
+    compiled: HardwareProfile | None
+    eager_timings: list[dict[str, Any]] | None = None
+    compiled_timings: list[dict[str, Any]] | None = None
+
+
+def _step_curves(target: TargetModel, trunk, given: HardwareProfile | None, concurrency: Sequence[int],
+                 progress: bool) -> _StepCurves:
+    """``given`` for both forwards, or SPS(B) measured here for each."""
+    if given is not None:
+        return _StepCurves(given, given)
+    # Up to the largest verify pass a round can form: every request with its full block.
+    gamma = max(spec[1]["gamma"] for spec in ENGINE_VARIANTS.values() if spec is not None)
+    largest = max(concurrency) * (gamma + 1)
+    batches = sorted({b for b in DEFAULT_BATCHES if b < largest} | {largest})
+    eager, eager_timings = measure_sps(target, batches, requests=max(concurrency), progress=progress)
+    if trunk is None:
+        return _StepCurves(eager, None, eager_timings)
+    # The compiled forward's step curve has another shape (it removes per-token overhead, which
+    # weighs most on small passes), so its ngram-hw schedules with it.
+    with _compiled(target, trunk):
+        compiled, compiled_timings = measure_sps(target, batches, requests=max(concurrency), progress=progress)
+    return _StepCurves(eager, compiled, eager_timings, compiled_timings)
+
+
+def _bench_engine(target: TargetModel, trunk, prompt_ids: Sequence[Sequence[int]], concurrency: Sequence[int],
+                  max_new_tokens: int, curves: _StepCurves, progress: bool) -> list[dict[str, Any]]:
+    """Every engine variant at every concurrency, each compiled run right after its eager one."""
+    records = []
+    for c in concurrency:
+        for variant in ENGINE_VARIANTS:
+            records.append(bench_engine_variant(target, prompt_ids, variant, c, max_new_tokens,
+                                                progress=progress, profile=curves.eager))
+            if trunk is not None:
+                # a longer warm-up: the graphs generalise their sizes on the first passes
+                with _compiled(target, trunk):
+                    records.append(bench_engine_variant(target, prompt_ids, variant, c, max_new_tokens,
+                                                        progress=progress, profile=curves.compiled,
+                                                        warmup_tokens=32))
+    return records
+
+
+def _ngram_over_plain(target: TargetModel, prompts, max_new_tokens: int, progress: bool) -> dict[str, Any]:
+    """``ngram`` against plain decoding at concurrency 1 on one prompt set."""
+    prompt_ids = _templated(target, prompts)
+    plain = bench_engine_variant(target, prompt_ids, "plain", 1, max_new_tokens, progress=progress)
+    ngram = bench_engine_variant(target, prompt_ids, "ngram", 1, max_new_tokens, progress=progress)
+    return {"plain_tok_s": plain["tok_s"], "ngram_tok_s": ngram["tok_s"],
+            "ngram_over_ar": round(ngram["tok_s"] / plain["tok_s"], 3), "tau": ngram["extra"]["tau"]}
 
 
 def _fidelity(native: TargetModel, prompt_ids: Sequence[Sequence[int]], progress: bool) -> dict[str, Any]:
@@ -280,7 +324,7 @@ def _fidelity(native: TargetModel, prompt_ids: Sequence[Sequence[int]], progress
     if progress:
         print("fidelity: dense bf16 and native weights against float32 …", file=sys.stderr)
     dense = TargetModel(native.hf_model, native.tokenizer, native.dtype, name=native.name)
-    outs = _engine(dense, "plain", 4, 64).generate(
+    outs = variant_engine(dense, "plain", 4, 64).generate(
         [GenerationRequest(prompt_ids=p, max_new_tokens=64) for p in prompt_ids])
     sequences = [list(p) + o.token_ids for p, o in zip(prompt_ids, outs, strict=True)]
     return rendering_fidelity({"dense": dense, "native": native}, sequences, native)

@@ -34,6 +34,7 @@ from typing import Any
 
 from specforge.errors import SpecforgeError
 from specforge.data.chat import Conversation, normalize_message
+from specforge.files import remove_leftovers, write_atomic
 
 __all__ = [
     "MANIFEST",
@@ -158,15 +159,6 @@ def _shard_name(index: int) -> str:
     return f"regen-{index:05d}.jsonl"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)  # a reader (or a restart) sees the old file or the new one, never half
-
-
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, sort_keys=False, separators=(",", ":"))
 
@@ -256,6 +248,15 @@ class _Work:
     new_tokens: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Done:
+    """A finished conversation waiting for its shard: its output line, or why it was skipped."""
+
+    line: dict[str, Any] | None
+    skipped: str | None = None
+    cut: str | None = None  # why its later turns were dropped
+
+
 def _make_engine(target: Any, max_batch: int, max_context: int | None) -> Any:
     from specforge.config import EngineConfig
     from specforge.engine import Engine
@@ -264,6 +265,231 @@ def _make_engine(target: Any, max_batch: int, max_context: int | None) -> Any:
     config = EngineConfig(max_batch=max_batch, **({} if max_context is None else {"max_context": max_context}))
     # Plain decoding: the rejection verifier with no drafts samples the target's law exactly.
     return Engine(target, get_host().create_verifier("rejection"), engine=config)
+
+
+def _write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
+    write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+
+
+def _open_output(out_dir: Path, header: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of ``out_dir``: the one there if it was made from ``header``, else a new one."""
+    manifest = _check_existing(out_dir, header)  # every refusal happens before anything is written
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Half-written files of a killed run: .regen-*.tmpPID, or regen-*.jsonl.tmp from older versions.
+    remove_leftovers(out_dir, "*.tmp*")
+    if manifest is None:
+        manifest = {**header, "shards": []}
+        _write_manifest(out_dir, manifest)
+    return manifest
+
+
+class _Run:
+    """One call of :func:`regenerate` over an opened output directory: conversations are asked
+    turn by turn, and every shard is written once all of its conversations are done.
+
+    What the run samples and how it shards is its manifest's (``sampling``, ``shard_size``):
+    the settings the output was made with, checked against this call's.
+    """
+
+    def __init__(self, conversations: list[Conversation], engine: Any, out_dir: Path,
+                 manifest: dict[str, Any], max_shards: int | None) -> None:
+        self.conversations, self.engine, self.out_dir, self.manifest = conversations, engine, out_dir, manifest
+        self.sampling = manifest["sampling"]
+        self.shard_size = manifest["shard_size"]
+        total = manifest["total_shards"]
+        self.report = RegenerationReport(out_dir=str(out_dir), total_shards=total,
+                                         resumed_shards=len(manifest["shards"]))
+        for entry in manifest["shards"]:
+            self._account(entry)
+        self.next_shard = len(manifest["shards"])
+        self.last_shard = total if max_shards is None else min(total, self.next_shard + max_shards)
+        self.end = min(len(conversations), self.last_shard * self.shard_size)
+        self.next_index = self.next_shard * self.shard_size  # the next conversation to submit
+        self.done: dict[int, _Done] = {}  # finished conversations waiting for their shard
+        self.in_flight: dict[int, _Work] = {}  # request id -> its conversation
+        # Two requests per slot keep the engine full while finished ones are being replaced, without
+        # running so far ahead that the shard being written waits on a long queue.
+        self.window = 2 * engine.config.max_batch
+        self.bar: Any = None
+
+    def run(self, progress: bool) -> RegenerationReport:
+        from tqdm.auto import tqdm
+
+        n = len(self.conversations)
+        self.bar = tqdm(total=n, initial=min(n, self.next_index), unit="conv", desc="regenerate",
+                        disable=not progress, dynamic_ncols=True)
+        started = time.perf_counter()
+        streamed = 0
+        try:
+            while True:
+                self._submit()
+                self._flush_shards()
+                if not self.in_flight:
+                    if self.next_index >= self.end:
+                        break
+                    continue
+                streamed += self._step()
+                elapsed = time.perf_counter() - started
+                if elapsed > 0:
+                    self.bar.set_postfix_str(f"{streamed / elapsed:.1f} tok/s", refresh=False)
+        finally:
+            self.bar.close()
+            self.report.seconds = time.perf_counter() - started
+        return self.report
+
+    # -- conversations ------------------------------------------------------------------------
+
+    def _submit(self) -> None:
+        """Start conversations until the window is full or none is left in this call's shards."""
+        while len(self.in_flight) < self.window and self.next_index < self.end:
+            c = self.conversations[self.next_index]
+            kept, cuts = split_turns(c.messages)
+            work = _Work(self.next_index, c, kept, cuts[:1] if self.sampling["turns"] == "first" else cuts)
+            self.next_index += 1
+            if not work.cuts:
+                self._finish(work, skip="no user turn to answer")
+            else:
+                self._ask(work)
+
+    def _ask(self, work: _Work) -> None:
+        """Submit the prompt of ``work.turn``, or finish the conversation when it cannot be asked."""
+        from specforge.engine import GenerationRequest
+
+        work.answered_len = len(work.messages)
+        lo = work.cuts[work.turn - 1] if work.turn else 0
+        work.messages.extend(work.kept[lo : work.cuts[work.turn]])
+        try:
+            ids = self.engine.target.encode(work.messages, chat=True)
+        except Exception as exc:  # a template that rejects this conversation: its problem only
+            return self._cut_short(work, f"the chat template fails: {exc}")
+        limit = self.engine.context_limit
+        if len(ids) >= limit:
+            return self._cut_short(work, f"prompt of {len(ids)} tokens does not fit the context limit of {limit}")
+        s = self.sampling
+        rid = self.engine.submit(GenerationRequest(
+            prompt_ids=ids, max_new_tokens=s["max_new_tokens"], temperature=s["temperature"], top_k=s["top_k"],
+            top_p=s["top_p"], seed=turn_seed(work.conversation.id, work.turn, s["seed"])))
+        self.in_flight[rid] = work
+
+    def _step(self) -> int:
+        """One engine round: record the answers it finished; returns the tokens it streamed."""
+        streamed = 0
+        for event in self.engine.step():
+            streamed += len(event.token_ids)
+            if event.finished:
+                self._answered(self.in_flight.pop(event.request_id), event.request_id)
+        return streamed
+
+    def _answered(self, work: _Work, request_id: int) -> None:
+        """Take the answer to ``work.turn``; ask the next turn, or finish the conversation."""
+        from specforge.engine import FinishReason
+
+        # take_output forgets it: a run over many thousand conversations must not keep every
+        # output in the engine.
+        out = self.engine.take_output(request_id)
+        self.report.new_tokens += len(out.token_ids)
+        if out.finish_reason == FinishReason.ERROR:
+            return self._cut_short(work, out.error or "the engine failed this request")
+        work.messages.append({"role": "assistant", "content": out.text})
+        work.finish_reasons.append(out.finish_reason)
+        work.new_tokens.append(len(out.token_ids))
+        work.turn += 1
+        if work.turn < len(work.cuts):
+            self._ask(work)
+        else:
+            self._finish(work)
+
+    def _cut_short(self, work: _Work, reason: str) -> None:
+        if work.turn == 0:
+            self._finish(work, skip=reason)
+        else:  # keep the answered turns; the user messages of the unanswered one go
+            del work.messages[work.answered_len:]
+            self._finish(work, cut=f"turn {work.turn + 1}: {reason}")
+
+    def _finish(self, work: _Work, skip: str | None = None, cut: str | None = None) -> None:
+        self.bar.update(1)
+        if skip is not None:
+            self.done[work.index] = _Done(None, skipped=skip)
+            return
+        line = {"id": work.conversation.id, "messages": work.messages,
+                "meta": {"finish_reasons": work.finish_reasons, "new_tokens": work.new_tokens}}
+        self.done[work.index] = _Done(line, cut=cut)
+
+    # -- shards -------------------------------------------------------------------------------
+
+    def _flush_shards(self) -> None:
+        """Write, in order, every shard whose conversations are all done."""
+        while self.next_shard < self.last_shard:
+            lo = self.next_shard * self.shard_size
+            hi = min(len(self.conversations), lo + self.shard_size)
+            if any(i not in self.done for i in range(lo, hi)):
+                return
+            entry, data = self._shard(self.next_shard, lo, hi)
+            write_atomic(self.out_dir / entry["file"], data)
+            # The manifest is updated after the shard lands: a kill in between only means the
+            # shard is made again (identically) by the restart.
+            self.manifest["shards"].append(entry)
+            _write_manifest(self.out_dir, self.manifest)
+            self._account(entry)
+            self.next_shard += 1
+
+    def _shard(self, index: int, lo: int, hi: int) -> tuple[dict[str, Any], bytes]:
+        """The manifest entry and the bytes of shard ``index`` (conversations ``[lo, hi)``)."""
+        lines, entry = [], {"file": _shard_name(index), "first": lo, "count": hi - lo,
+                            "written": 0, "new_tokens": 0, "skipped": [], "truncated": []}
+        for i in range(lo, hi):
+            done = self.done.pop(i)
+            cid = self.conversations[i].id
+            if done.line is None:
+                entry["skipped"].append({"id": cid, "reason": done.skipped})
+                continue
+            lines.append(_dumps(done.line) + "\n")
+            entry["written"] += 1
+            entry["new_tokens"] += sum(done.line["meta"]["new_tokens"])
+            if done.cut is not None:
+                entry["truncated"].append({"id": cid, "reason": done.cut})
+        data = "".join(lines).encode("utf-8")
+        entry["sha256"] = hashlib.sha256(data).hexdigest()
+        return entry, data
+
+    def _account(self, entry: dict[str, Any]) -> None:
+        """Count a written shard in the report."""
+        report = self.report
+        report.shards += 1
+        report.conversations += entry["count"]
+        report.written += entry["written"]
+        report.skipped += [(s["id"], s["reason"]) for s in entry["skipped"]]
+        report.truncated += [(s["id"], s["reason"]) for s in entry["truncated"]]
+
+
+def _run_sampling(target: Any, *, temperature: float | None, top_k: int | None, top_p: float | None,
+                  seed: int, max_new_tokens: int, turns: str) -> dict[str, Any]:
+    """The sampling of a run: what the call gives, else what the target recommends."""
+    recommended = target_sampling(target)
+    return {
+        "temperature": recommended["temperature"] if temperature is None else float(temperature),
+        "top_k": recommended["top_k"] if top_k is None else int(top_k),
+        "top_p": recommended["top_p"] if top_p is None else float(top_p),
+        "seed": int(seed),
+        "max_new_tokens": int(max_new_tokens),
+        "turns": turns,
+    }
+
+
+def _header(conversations: Sequence[Conversation], source: str, engine: Any, sampling: dict[str, Any],
+            shard_size: int) -> dict[str, Any]:
+    """What an output directory is made from; a run resumes only a directory of the same header."""
+    target = engine.target
+    return {
+        "format": FORMAT,
+        "source": {"name": source, "count": len(conversations), "sha256": _fingerprint(conversations)},
+        "target": {"name": str(target.name), "dtype": str(target.dtype).removeprefix("torch.")},
+        "decoder": _decoder_name(engine),
+        "context_limit": int(engine.context_limit),
+        "sampling": sampling,
+        "shard_size": shard_size,
+        "total_shards": -(-len(conversations) // shard_size),
+    }
 
 
 def regenerate(
@@ -304,171 +530,8 @@ def regenerate(
         target_or_engine, max_batch, max_context)
     if engine.busy:
         raise ValueError("the engine has requests of its own in flight; regenerate needs it to itself")
-    target = engine.target
-    recommended = target_sampling(target)
-    sampling = {
-        "temperature": recommended["temperature"] if temperature is None else float(temperature),
-        "top_k": recommended["top_k"] if top_k is None else int(top_k),
-        "top_p": recommended["top_p"] if top_p is None else float(top_p),
-        "seed": int(seed),
-        "max_new_tokens": int(max_new_tokens),
-        "turns": turns,
-    }
-    total_shards = -(-len(conversations) // shard_size)
-    header = {
-        "format": FORMAT,
-        "source": {"name": source, "count": len(conversations), "sha256": _fingerprint(conversations)},
-        "target": {"name": str(target.name), "dtype": str(target.dtype).removeprefix("torch.")},
-        "decoder": _decoder_name(engine),
-        "context_limit": int(engine.context_limit),
-        "sampling": sampling,
-        "shard_size": shard_size,
-        "total_shards": total_shards,
-    }
+    sampling = _run_sampling(engine.target, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                             max_new_tokens=max_new_tokens, turns=turns)
     out_dir = Path(out_dir)
-    manifest = _check_existing(out_dir, header)  # every refusal happens before anything is written
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if manifest is None:
-        manifest = {**header, "shards": []}
-        _write_atomic(out_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
-
-    report = RegenerationReport(out_dir=str(out_dir), total_shards=total_shards,
-                                resumed_shards=len(manifest["shards"]))
-
-    def account(entry: dict[str, Any]) -> None:
-        report.shards += 1
-        report.conversations += entry["count"]
-        report.written += entry["written"]
-        report.skipped += [(s["id"], s["reason"]) for s in entry["skipped"]]
-        report.truncated += [(s["id"], s["reason"]) for s in entry["truncated"]]
-
-    for entry in manifest["shards"]:
-        account(entry)
-    first_shard = len(manifest["shards"])
-    last_shard = total_shards if max_shards is None else min(total_shards, first_shard + max_shards)
-    end = min(len(conversations), last_shard * shard_size)
-
-    from tqdm.auto import tqdm
-
-    from specforge.engine import FinishReason, GenerationRequest
-
-    bar = tqdm(total=len(conversations), initial=min(len(conversations), first_shard * shard_size),
-               unit="conv", desc="regenerate", disable=not progress, dynamic_ncols=True)
-    started = time.perf_counter()
-    # index -> ("ok", line) | ("skip", reason): finished conversations waiting for their shard.
-    done: dict[int, tuple[str, Any]] = {}
-    in_flight: dict[int, _Work] = {}  # request id -> its conversation
-    next_index = first_shard * shard_size
-    next_shard = first_shard
-    # Two requests per slot keep the engine full while finished ones are being replaced, without
-    # running so far ahead that the shard being written waits on a long queue.
-    window = 2 * engine.config.max_batch
-    gen = {k: sampling[k] for k in ("temperature", "top_k", "top_p")}
-
-    def finish(work: _Work, skip: str | None = None, cut: str | None = None) -> None:
-        bar.update(1)
-        if skip is not None:
-            done[work.index] = ("skip", skip)
-            return
-        line = {"id": work.conversation.id, "messages": work.messages,
-                "meta": {"finish_reasons": work.finish_reasons, "new_tokens": work.new_tokens}}
-        done[work.index] = ("ok", (line, cut))
-
-    def cut_short(work: _Work, reason: str) -> None:
-        if work.turn == 0:
-            finish(work, skip=reason)
-        else:  # keep the answered turns; the user messages of the unanswered one go
-            del work.messages[work.answered_len:]
-            finish(work, cut=f"turn {work.turn + 1}: {reason}")
-
-    def ask(work: _Work) -> None:
-        """Submit the prompt of ``work.turn``, or finish the conversation when it cannot be asked."""
-        work.answered_len = len(work.messages)
-        lo = work.cuts[work.turn - 1] if work.turn else 0
-        work.messages.extend(work.kept[lo : work.cuts[work.turn]])
-        try:
-            ids = target.encode(work.messages, chat=True)
-        except Exception as exc:  # a template that rejects this conversation: its problem only
-            return cut_short(work, f"the chat template fails: {exc}")
-        if len(ids) >= engine.context_limit:
-            return cut_short(work, f"prompt of {len(ids)} tokens does not fit the context limit of "
-                                   f"{engine.context_limit}")
-        rid = engine.submit(GenerationRequest(
-            prompt_ids=ids, max_new_tokens=max_new_tokens, seed=turn_seed(work.conversation.id, work.turn, seed),
-            **gen))
-        in_flight[rid] = work
-
-    def flush_shards() -> None:
-        nonlocal next_shard
-        while next_shard < last_shard:
-            lo, hi = next_shard * shard_size, min(len(conversations), (next_shard + 1) * shard_size)
-            if any(i not in done for i in range(lo, hi)):
-                return
-            lines, entry = [], {"file": _shard_name(next_shard), "first": lo, "count": hi - lo,
-                                "written": 0, "new_tokens": 0, "skipped": [], "truncated": []}
-            for i in range(lo, hi):
-                kind, value = done.pop(i)
-                cid = conversations[i].id
-                if kind == "skip":
-                    entry["skipped"].append({"id": cid, "reason": value})
-                    continue
-                line, cut = value
-                lines.append(_dumps(line) + "\n")
-                entry["written"] += 1
-                entry["new_tokens"] += sum(line["meta"]["new_tokens"])
-                if cut is not None:
-                    entry["truncated"].append({"id": cid, "reason": cut})
-            data = "".join(lines).encode("utf-8")
-            entry["sha256"] = hashlib.sha256(data).hexdigest()
-            _write_atomic(out_dir / entry["file"], data)
-            # The manifest is updated after the shard lands: a kill in between only means the
-            # shard is made again (identically) by the restart.
-            manifest["shards"].append(entry)
-            _write_atomic(out_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
-            account(entry)
-            next_shard += 1
-
-    streamed = 0
-    try:
-        while True:
-            while len(in_flight) < window and next_index < end:
-                c = conversations[next_index]
-                kept, cuts = split_turns(c.messages)
-                work = _Work(next_index, c, kept, cuts[:1] if turns == "first" else cuts)
-                next_index += 1
-                if not work.cuts:
-                    finish(work, skip="no user turn to answer")
-                else:
-                    ask(work)
-            flush_shards()
-            if not in_flight:
-                if next_index >= end:
-                    break
-                continue
-            for event in engine.step():
-                streamed += len(event.token_ids)
-                if not event.finished:
-                    continue
-                work = in_flight.pop(event.request_id)
-                # take_output forgets it: a run over many thousand conversations must not keep
-                # every output in the engine.
-                out = engine.take_output(event.request_id)
-                report.new_tokens += len(out.token_ids)
-                if out.finish_reason == FinishReason.ERROR:
-                    cut_short(work, out.error or "the engine failed this request")
-                    continue
-                work.messages.append({"role": "assistant", "content": out.text})
-                work.finish_reasons.append(out.finish_reason)
-                work.new_tokens.append(len(out.token_ids))
-                work.turn += 1
-                if work.turn < len(work.cuts):
-                    ask(work)
-                else:
-                    finish(work)
-            elapsed = time.perf_counter() - started
-            if elapsed > 0:
-                bar.set_postfix_str(f"{streamed / elapsed:.1f} tok/s", refresh=False)
-    finally:
-        bar.close()
-        report.seconds = time.perf_counter() - started
-    return report
+    manifest = _open_output(out_dir, _header(conversations, source, engine, sampling, shard_size))
+    return _Run(conversations, engine, out_dir, manifest, max_shards).run(progress)

@@ -104,8 +104,11 @@ class Engine:
         self._outputs: dict[int, RequestOutput] = {}
         self._next_id = 0
         # Wall time per phase of the rounds run so far (seconds), for latency breakdowns: draft
-        # (drafter, confidence, calibrator, scheduler), target (the flattened pass), verify, commit.
+        # (drafter, confidence, calibrator, scheduler), target (the flattened pass), verify, commit;
+        # ``draft`` is further split into drafter, confidence (with the calibrator) and scheduler,
+        # which are not counted again in the shares.
         self.phase_seconds: dict[str, float] = dict.fromkeys(("draft", "target", "verify", "commit"), 0.0)
+        self.draft_seconds: dict[str, float] = dict.fromkeys(("drafter", "confidence", "scheduler"), 0.0)
 
     def _bind(self, drafter, correction_head, confidence) -> None:
         """Lifecycle steps 1–2 (:mod:`specforge.components`): bind every model-backed component to
@@ -157,6 +160,12 @@ class Engine:
         self._next_id = max(self._next_id, rid) + 1
         self._queue.append((rid, request))
         return rid
+
+    @property
+    def active(self) -> tuple[_Active, ...]:
+        """The admitted, unfinished requests (id, cache slot, history, stats), read-only: for tools
+        that inspect the engine between rounds, such as the conformance suite's rollback check."""
+        return tuple(self._active)
 
     @property
     def busy(self) -> bool:
@@ -281,7 +290,8 @@ class Engine:
 
     def _lap(self, phase: str, since: float) -> float:
         now = time.perf_counter()
-        self.phase_seconds[phase] += now - since
+        book = self.phase_seconds if phase in self.phase_seconds else self.draft_seconds
+        book[phase] += now - since
         return now
 
     def _draft(self, states: list[_Active], sampling: SamplingParams) -> tuple[DraftBlock, Tensor]:
@@ -300,13 +310,17 @@ class Engine:
             features=self._pending_features(states) if self.taps else None,
             correction_head=self.correction_head,
         )
+        clock = time.perf_counter()
         block = self.drafter.draft(ctx)
+        clock = self._lap("drafter", clock)
         block_lengths = torch.minimum(block.lengths.to(torch.long), ctx.max_tokens)
         if block.tokens.shape[1] == 0:
             return block, block_lengths
         confidence = self.confidence.estimate(block)
         confidence = self.calibrator.apply(confidence)
+        clock = self._lap("confidence", clock)
         lengths = self.scheduler.schedule(confidence, block_lengths)
+        self._lap("scheduler", clock)
         return block, torch.minimum(lengths.to(torch.long), block_lengths)
 
     def _pending_features(self, states: list[_Active]) -> TargetFeatures:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from specforge.acceptance import AcceptanceCounts
 
 __all__ = ["FinishReason", "GenerationRequest", "RequestOutput", "RequestStats", "StreamEvent"]
 
@@ -36,29 +38,15 @@ class GenerationRequest:
 
 
 @dataclass
-class RequestStats:
-    """Counters of one request (names and definitions: docs/design/metrics.md)."""
+class RequestStats(AcceptanceCounts):
+    """Counters of one request: its rounds' acceptance counts (:mod:`specforge.acceptance`), its
+    tokens and its times (names and definitions: docs/design/metrics.md)."""
 
-    rounds: int = 0
-    drafted: int = 0
-    verified: int = 0
-    accepted: int = 0
     emitted: int = 0
     prompt_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    verified_per_position: list[int] = field(default_factory=list)
-    # rounds in which position k was verified *and* every earlier draft was accepted: the
-    # denominator of the conditional acceptance (verified_per_position also counts positions
-    # verified after an earlier rejection, whose fate was already sealed)
-    reached_per_position: list[int] = field(default_factory=list)
     started: float = 0.0
     first_token: float | None = None
     finished: float | None = None
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens committed per round: accepted drafts plus the correction/bonus token."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -67,43 +55,12 @@ class RequestStats:
             return 0.0
         return self.emitted / (end - self.started)
 
-    def record_round(self, verified: int, accepted: int, drafted: int) -> None:
-        self.rounds += 1
-        self.drafted += drafted
-        self.verified += verified
-        self.accepted += accepted
-        for counts in (self.verified_per_position, self.accepted_per_position, self.reached_per_position):
-            if len(counts) < verified:  # the lists always cover every position ever verified
-                counts.extend([0] * (verified - len(counts)))
-        for k in range(verified):
-            self.verified_per_position[k] += 1
-        for k in range(min(verified, accepted + 1)):
-            self.reached_per_position[k] += 1
-        for k in range(accepted):
-            self.accepted_per_position[k] += 1
-
-    @classmethod
-    def pooled(cls, stats: Iterable[RequestStats]) -> RequestStats:
-        """The counters of several requests added up (rounds, counts and per-position counts)."""
-        total = cls()
-        for s in stats:
-            total.rounds += s.rounds
-            total.drafted += s.drafted
-            total.verified += s.verified
-            total.accepted += s.accepted
-            total.emitted += s.emitted
-            total.prompt_tokens += s.prompt_tokens
-            for mine, theirs in ((total.verified_per_position, s.verified_per_position),
-                                 (total.reached_per_position, s.reached_per_position),
-                                 (total.accepted_per_position, s.accepted_per_position)):
-                mine.extend([0] * (len(theirs) - len(mine)))
-                for k, n in enumerate(theirs):
-                    mine[k] += n
-        return total
-
-    def conditional_acceptance(self) -> list[float]:
-        """P(x_k accepted | x_<k accepted and x_k verified), per position."""
-        return [a / n if n else float("nan") for a, n in zip(self.accepted_per_position, self.reached_per_position)]
+    def add(self, other: AcceptanceCounts) -> None:
+        """Pool ``other``'s rounds, and its tokens when it is a request's too."""
+        super().add(other)
+        if isinstance(other, RequestStats):
+            self.emitted += other.emitted
+            self.prompt_tokens += other.prompt_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,7 +70,7 @@ class RequestStats:
             "drafted": self.drafted,
             "verified": self.verified,
             "accepted": self.accepted,
-            "tau": round(self.tau, 4),
+            "tau": round(self.tau, 4) if self.rounds else 0.0,
             "accepted_per_position": list(self.accepted_per_position),
             "verified_per_position": list(self.verified_per_position),
             "reached_per_position": list(self.reached_per_position),

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from specforge.files import write_atomic
+
 __all__ = ["acceptance_plot", "save", "table"]
 
 
@@ -20,16 +22,21 @@ def table(result: dict[str, Any]) -> str:
     """One row per (dataset, temperature): τ, acceptance at each position, speed and speedup."""
     rows = result["results"]
     width = max((len(r["acceptance"]) for r in rows), default=0)
-    head = ["dataset", "T", "τ", *[f"acc@{k + 1}" for k in range(width)], "tok/s", "AR tok/s", "speedup", "head %"]
+    coverage = any("vocab_coverage" in r for r in rows)  # a drafter with a draft vocabulary
+    head = ["dataset", "T", "τ", *[f"acc@{k + 1}" for k in range(width)], "tok/s", "AR tok/s", "speedup", "head %",
+            *(["vocab %"] if coverage else [])]
     lines = [head]
     for r in rows:
         acc = [_f(a) for a in r["acceptance"]] + ["-"] * (width - len(r["acceptance"]))
         share = r.get("latency_share", {}).get("correction_head")
+        cov = r.get("vocab_coverage")
         lines.append([r["dataset"], _f(r["temperature"], "g"), _f(r["tau"]), *acc, _f(r.get("tok_s"), ".1f"),
                       _f(r.get("ar_tok_s"), ".1f"), _f(r.get("speedup")),
-                      _f(None if share is None else 100 * share, ".1f")])
+                      _f(None if share is None else 100 * share, ".1f"),
+                      *([_f(None if cov is None else 100 * cov, ".1f")] if coverage else [])])
     for key, s in result.get("summary", {}).items():
-        lines.append([f"mean ({key})", "", _f(s["tau"]), *[""] * width, "", "", _f(s.get("speedup")), ""])
+        lines.append([f"mean ({key})", "", _f(s["tau"]), *[""] * width, "", "", _f(s.get("speedup")), "",
+                      *([""] if coverage else [])])
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     text = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
@@ -70,7 +77,5 @@ def save(result: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "eval.json"
-    tmp = json_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2, allow_nan=True))
-    tmp.replace(json_path)
+    write_atomic(json_path, json.dumps(result, indent=2, allow_nan=True))
     return json_path, acceptance_plot(result, out / "acceptance.png")

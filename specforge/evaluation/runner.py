@@ -1,6 +1,6 @@
 """Evaluate a speculative pipeline on prompt sets: acceptance and speedup, one run.
 
-The metrics are defined in docs/design/metrics.md.
+The metrics are defined in docs/design/metrics.md and computed by :mod:`specforge.acceptance`.
 
 For every prompt set and temperature the same prompts are decoded twice by engines that share
 one loaded target: once by the pipeline (its drafter, heads, scheduler and verifier) and once by
@@ -26,9 +26,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import torch
+
+from specforge.acceptance import AcceptanceCounts
 from specforge.config import ConfigError, EngineConfig, PipelineConfig
 from specforge.engine import Engine, GenerationRequest, RequestOutput
-from specforge.engine.request import RequestStats
 from specforge.evalsets import apply_chat_template, select_prompts
 
 __all__ = ["EvalSettings", "aggregate", "evaluate"]
@@ -61,25 +63,19 @@ class EvalSettings:
 
 def aggregate(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
     """Acceptance statistics of a set of finished requests, pooled over all their rounds."""
-    pooled = RequestStats.pooled(o.stats for o in outputs)
-    conditional = pooled.conditional_acceptance()
-    survival, running = [], 1.0
-    for c in conditional:
-        running *= c
-        survival.append(running)
-    verified, accepted, rounds = pooled.verified, pooled.accepted, pooled.rounds
+    pooled = AcceptanceCounts.pooled(o.stats for o in outputs)
     return {
         "requests": len(outputs),
         "failed": sum(1 for o in outputs if o.error),
         "new_tokens": sum(len(o.token_ids) for o in outputs),
-        "rounds": rounds,
-        "tau": pooled.tau if rounds else math.nan,
-        "acceptance": conditional,
-        "survival": survival,
+        "rounds": pooled.rounds,
+        "tau": pooled.tau,
+        "acceptance": pooled.conditional_acceptance(),
+        "survival": pooled.survival(),
         "verified_per_position": pooled.verified_per_position,
         "reached_per_position": pooled.reached_per_position,
         "accepted_per_position": pooled.accepted_per_position,
-        "verify_waste": (verified - accepted) / verified if verified else math.nan,
+        "verify_waste": pooled.verify_waste,
     }
 
 
@@ -144,11 +140,17 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
                **aggregate(outs), "seconds": seconds}
         row["tok_s"] = row["new_tokens"] / seconds if seconds > 0 else math.nan
         row["latency_share"] = _phase_shares(spec, head)
+        written = outs
         if plain is not None:
             ar, ar_seconds = _timed(plain, _requests(ids, temperature, settings))
             row["ar_new_tokens"] = sum(len(o.token_ids) for o in ar)
             row["ar_tok_s"] = row["ar_new_tokens"] / ar_seconds if ar_seconds > 0 else math.nan
             row["speedup"] = row["tok_s"] / row["ar_tok_s"] if row["ar_tok_s"] else math.nan
+            written = ar
+        vocab = getattr(drafter, "draft_vocab", None)
+        if vocab is not None:  # share of what the target wrote that the drafter could have proposed
+            row["vocab_coverage"] = vocab.coverage(torch.tensor([t for o in written for t in o.token_ids],
+                                                                dtype=torch.long))
         results.append(row)
     return {
         "pipeline": pipeline.to_dict(),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -52,6 +51,7 @@ from specforge.features.manifest import (
     target_fingerprint,
 )
 from specforge.features.compute import SequenceFeatures, as_pair, forward_flat, validate_sequences
+from specforge.files import remove_leftovers, write_atomic
 
 __all__ = ["FeatureCache", "VerifyReport", "write_feature_cache"]
 
@@ -83,28 +83,14 @@ def _header(data: bytes) -> dict[str, Any]:
 
 def _write_new_file(path: Path, data: bytes) -> None:
     """Write ``path`` atomically, failing rather than replacing a file that is already there."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)  # atomic, and raises FileExistsError instead of overwriting
-        except FileExistsError:
-            raise CacheIntegrityError(f"{path} appeared while it was being written; left untouched") from None
-        except OSError:  # a filesystem without hard links
-            if path.exists():
-                raise CacheIntegrityError(f"{path} appeared while it was being written; left untouched") from None
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        write_atomic(path, data, overwrite=False)
+    except FileExistsError:
+        raise CacheIntegrityError(f"{path} appeared while it was being written; left untouched") from None
 
 
 def _write_manifest(directory: Path, manifest: CacheManifest) -> None:
-    tmp = directory / f".{MANIFEST}.tmp{os.getpid()}"
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, directory / MANIFEST)  # the manifest is the one file that is rewritten
+    write_atomic(directory / MANIFEST, manifest.to_json())  # the manifest is the one file that is rewritten
 
 
 def _shard_problem(data: bytes | None, info: ShardInfo, manifest: CacheManifest) -> str | None:
@@ -402,8 +388,7 @@ def write_feature_cache(
     if remaining > free:
         raise FeatureCacheError(f"{directory}: the cache needs ≈ {format_bytes(remaining)} more, "
                                 f"only {format_bytes(free)} are free")
-    for stale in directory.glob(".*.tmp*"):  # leftovers of a killed run: never complete files
-        stale.unlink(missing_ok=True)
+    remove_leftovers(directory)
     _write_manifest(directory, manifest)  # adopted shards are recorded even if nothing is left
     from tqdm.auto import tqdm
 

@@ -19,7 +19,6 @@ import hashlib
 import importlib.util
 import os
 import shutil
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from specforge.errors import SpecforgeError
+from specforge.files import replace_atomically
 
 __all__ = ["EMBEDDED", "TargetLoadError", "cache_root", "converted_checkpoint", "gguf_cache_dir", "load_hf",
            "resolve_model", "save_converted"]
@@ -98,7 +98,8 @@ def _complete(directory: Path) -> bool:
 
 def save_converted(hf_model: Any, tokenizer: Any, dest: Path) -> None:
     """Write a model loaded from a GGUF as a plain HF directory (float32 safetensors, config,
-    generation config, tokenizer) under a temporary name, renamed to ``dest`` once complete.
+    generation config, tokenizer) under a temporary name, renamed to ``dest`` once complete
+    (replacing an incomplete one left there).
 
     transformers refuses to save a GGUF-loaded model (it carries a GGUF quantization config
     although the weights are already dequantized), so the weights move into a plain model
@@ -115,14 +116,10 @@ def save_converted(hf_model: Any, tokenizer: Any, dest: Path) -> None:
     plain.load_state_dict(hf_model.state_dict())
     plain.generation_config = copy.deepcopy(hf_model.generation_config)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
-    try:
+    with replace_atomically(dest) as tmp:
         plain.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        tmp.rename(dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _cache_conversion(hf_model: Any, tokenizer: Any, dest: Path) -> None:

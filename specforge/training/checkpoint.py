@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import re
 import shutil
@@ -36,6 +35,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from specforge.errors import SpecforgeError
+from specforge.files import fsync, remove_leftovers, replace_atomically
 
 __all__ = ["Checkpoint", "CheckpointError", "checkpoint_problem", "find_checkpoints", "latest_checkpoint",
            "optimizer_from_tensors", "optimizer_to_tensors", "read_checkpoint", "rng_restore", "rng_state",
@@ -56,14 +56,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- optimizer and RNG state as tensors + JSON -------------------------------------------------
@@ -139,11 +131,9 @@ def write_checkpoint(root: Path, step: int, write_drafter: Any, optimizer_tensor
     """Write ``root/step-NNNNNNNN`` atomically; ``write_drafter(dir)`` writes the drafter files."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
-    tmp = root / f".step-{step:08d}.tmp{os.getpid()}"
-    for stale in root.glob(".step-*.tmp*"):  # half-written by a killed run: never a checkpoint
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    remove_leftovers(root)  # half-written by a killed run: never a checkpoint
+    with replace_atomically(final) as tmp:
+        tmp.mkdir()
         write_drafter(tmp / "drafter")
         save_file(optimizer_tensors, str(tmp / "optimizer.safetensors"), metadata={"format": FORMAT})
         rng_tensors, rng_meta = rng_state()
@@ -151,19 +141,14 @@ def write_checkpoint(root: Path, step: int, write_drafter: Any, optimizer_tensor
         (tmp / "train_config.json").write_text(json.dumps(config, indent=2) + "\n")
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            _fsync(path)
+            fsync(path)
             files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
         meta = {"format": FORMAT, "version": VERSION, "step": step, "time": time.time(), **state,
                 "rng": rng_meta, "files": files}
         (tmp / STATE).write_text(json.dumps(meta, indent=2) + "\n")
-        _fsync(tmp / STATE)
+        fsync(tmp / STATE)
         if final.exists():  # a damaged checkpoint of this step from a killed run: set aside, never deleted
             final.rename(root / f"{final.name}.damaged-{int(time.time())}")
-        os.rename(tmp, final)
-        _fsync(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

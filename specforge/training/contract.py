@@ -18,6 +18,7 @@ One step, as the trainer runs it:
 
 1. the method's :class:`DataNeeds` say which target layers to tap (the feature cache stores
    them), how many draft slots follow each anchor and how the block's input ids are laid out;
+   once the data exists, ``prepare`` gets a :class:`DataSummary` (token frequencies, if asked);
 2. the trainer samples anchors, packs their blocks and computes the teacher law p_t (the target's
    own next-token law at every supervised slot), giving a :class:`TrainBatch`;
 3. ``module(batch)`` runs the method's trainable :class:`torch.nn.Module` (wrapped in
@@ -35,7 +36,7 @@ import torch
 from pydantic import BaseModel
 from torch import Tensor, nn
 
-__all__ = ["DataNeeds", "DraftTraining", "LossOutput", "MetricNames", "TrainBatch", "TrainingMethod", "empty_loss"]
+__all__ = ["DataNeeds", "DataSummary", "DraftTraining", "LossOutput", "MetricNames", "TrainBatch", "TrainingMethod", "empty_loss"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class DataNeeds:
         mask_token_id: the input id of every slot but the anchor.
         teacher: the method's loss reads p_t (:attr:`TrainBatch.p_t`); computing it costs a
             projection through the target's LM head per supervised slot, so say no if unused.
+        token_counts: the method's ``prepare`` needs :attr:`DataSummary.token_counts` (e.g. to
+            choose a draft vocabulary); counting costs one pass over the training data.
     """
 
     layers: tuple[int, ...]
@@ -59,10 +62,27 @@ class DataNeeds:
     mask_token_id: int
     input_len: int | None = None
     teacher: bool = True
+    token_counts: bool = False
 
     @property
     def slots(self) -> int:
         return self.block if self.input_len is None else self.input_len
+
+
+@dataclass(frozen=True)
+class DataSummary:
+    """What the trainer tells a method's ``prepare`` about the training data (held-out sequences
+    excluded).
+
+    Attributes:
+        sequences: training sequences.
+        token_counts: ``[V]`` int64 occurrences of each token among the supervised (loss-mask)
+            tokens — the target's own answers when the data was regenerated — or ``None`` when the
+            method's needs did not ask for them.
+    """
+
+    sequences: int
+    token_counts: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +167,11 @@ class DraftTraining(Protocol):
 
     def needs(self) -> DataNeeds:
         """The data this method trains on."""
+        ...
+
+    def prepare(self, summary: DataSummary) -> None:
+        """Called once when the data is ready, before :attr:`module` is read: build what depends
+        on the data here (a draft vocabulary).  A method may leave it empty."""
         ...
 
     def loss(self, outputs: Any, batch: TrainBatch) -> LossOutput:

@@ -81,6 +81,7 @@ def dspark_loss(
     ce_weight: float = 0.1,
     tv_weight: float = 0.9,
     conf_weight: float = 1.0,
+    outside: Tensor | None = None,
 ) -> DSparkLoss:
     """The DSpark objective on B blocks of S draft positions.
 
@@ -91,6 +92,10 @@ def dspark_loss(
         valid: ``[B, S]`` inside the sequence and the loss mask; reduced to its valid prefix.
         conf_logits: ``[B, S]`` pre-sigmoid confidence c_k, or None (no L_conf).
         gamma: γ of w_k (default S).
+        outside: ``[B, S]`` the target's probability mass outside a draft vocabulary, when the
+            draft logits cover only its N tokens (``target_probs`` then holds p_t on those N,
+            and ``labels`` are draft ids, negative for a token outside): the draft law puts no
+            mass there, so that mass counts fully in ‖p_d − p_t‖₁, and such a label gets no CE.
     """
     b, s, _ = draft_logits.shape
     mask = valid_prefix(valid)
@@ -104,10 +109,14 @@ def dspark_loss(
     keep = mask[..., None]
     logp = torch.log_softmax(torch.where(keep, draft_logits.float(), zero), dim=-1)
     p_t = torch.where(keep, target_probs.float(), zero)
-    nll = -logp.gather(-1, torch.where(mask, labels, 0)[..., None]).squeeze(-1)
-    ce = (w * nll).sum() / blocks
+    labelled = mask & (labels >= 0)  # a label outside the draft vocabulary has no CE term
+    nll = -logp.gather(-1, torch.where(labelled, labels, 0)[..., None]).squeeze(-1)
+    ce = (w * torch.where(labelled, nll, zero)).sum() / blocks
 
-    l1 = torch.where(mask, (logp.exp() - p_t).abs().sum(-1), zero)
+    l1 = (logp.exp() - p_t).abs().sum(-1)
+    if outside is not None:
+        l1 = l1 + outside.float()
+    l1 = torch.where(mask, l1, zero)
     tv = (w * l1).sum() / blocks
 
     c_star = torch.where(mask, (1 - 0.5 * l1.detach()).clamp(0, 1), zero)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -34,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from specforge.features import SequenceFeatures, pack_blocks
+from specforge.files import replace_atomically, write_atomic
 from specforge.training.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -46,7 +46,7 @@ from specforge.training.checkpoint import (
     write_checkpoint,
 )
 from specforge.training.config import TrainConfig, TrainConfigError
-from specforge.training.contract import DraftTraining, LossOutput, TrainBatch, empty_loss
+from specforge.training.contract import DataSummary, DraftTraining, LossOutput, TrainBatch, empty_loss
 from specforge.training.data import FeatureSource, anchors_for, build_source, epoch_order
 from specforge.training.distributed import DistContext, init_distributed
 from specforge.training.losses import teacher_probs
@@ -84,8 +84,9 @@ class Trainer:
         if list(self.source.layer_ids) != list(self.needs.layers):
             raise TrainConfigError([f"drafter: the feature source taps layers {list(self.source.layer_ids)}; "
                                     f"the drafter wants {list(self.needs.layers)}"])
-        self._build_optimizer()
         self._split_data()
+        self._prepare_method()
+        self._build_optimizer()
         self.step, self.epoch, self.batch_index = 0, 0, 0
         self._loss_fn = self._choose_loss(target.args.vocab_size)
         self._metric_keys = self._metric_layout()
@@ -102,10 +103,29 @@ class Trainer:
         self.needs = self.method.needs()
         self.bf16 = c.dtype == "bfloat16" or (c.dtype == "auto" and dev.type == "cuda")
         self.lm_head = self.target.runtime.lm_head.to(dev)  # p_t: the target's own law, frozen
+
+    def _prepare_method(self) -> None:
+        """Tell the method about the data (``prepare``), then take its module."""
+        prepare = getattr(self.method, "prepare", None)
+        if callable(prepare):
+            counts = self._token_counts() if self.needs.token_counts else None
+            prepare(DataSummary(sequences=self.train_count, token_counts=counts))
+        dev = self.dist.device
         self.module = self.method.module
         self.model: nn.Module = (DistributedDataParallel(self.module, device_ids=[dev] if dev.type == "cuda" else None)
                                  if self.dist.enabled else self.module)
         self.param_names = {id(p): n for n, p in self.module.named_parameters()}
+
+    def _token_counts(self) -> Tensor:
+        """Occurrences of each token among the supervised tokens of the training sequences, read
+        group by group (a cache shard at a time), the same on every rank."""
+        counts = torch.zeros(self.target.args.vocab_size, dtype=torch.long)
+        held = set(self.eval_indices)
+        for group in self.source.groups():
+            for f in self.source.get([i for i in group if i not in held]):
+                ids = f.input_ids[f.loss_mask.bool()]
+                counts += torch.bincount(ids.long(), minlength=counts.numel())
+        return counts
 
     def _build_optimizer(self) -> None:
         """AdamW with weight decay on matrices only."""
@@ -339,15 +359,8 @@ class Trainer:
 
     def export(self, directory: Path) -> Path:
         """The trained drafter alone (for eval and inference), replaced atomically."""
-        tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
-        self._write_drafter(tmp)
-        old = directory.with_name(f".{directory.name}.old{os.getpid()}")
-        if directory.exists():
-            directory.rename(old)
-        tmp.rename(directory)
-        if old.exists():
-            import shutil
-            shutil.rmtree(old)
+        with replace_atomically(directory) as tmp:
+            self._write_drafter(tmp)
         return directory
 
     def save_checkpoint(self) -> Path | None:
@@ -383,9 +396,7 @@ class Trainer:
             return
         kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= self.step]
         self.history = [json.loads(line) for line in kept]
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(line + "\n" for line in kept))
 
     @classmethod
     def resume(cls, directory: str | Path, config: TrainConfig | None = None, **kwargs: Any) -> Trainer:

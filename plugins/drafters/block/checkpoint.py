@@ -5,7 +5,8 @@ Layout of a checkpoint directory::
     config.json        {"format", "version", "method", "target",
                         "backbone": {...}, "head": {"name", "config"} | null,
                         "confidence": {"name", "config"} | null, "drafter": {...}}
-    model.safetensors  "backbone.*", "head.*", "confidence.*" tensors
+    model.safetensors  "backbone.*", "head.*", "confidence.*" tensors, and with a draft vocabulary
+                       "vocab.d2t" / "vocab.t2d" (EAGLE-3's maps, see specforge.vocab)
 
 The target's shared embedding and LM head are not in it (they are the target's).  A confidence
 head tied to the correction head's W1 has no table of its own and is re-tied on load.
@@ -22,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specforge.errors import SpecforgeError
+from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.model import BlockBackbone
 
@@ -72,7 +74,7 @@ def save_drafter(directory: str | Path, backbone: BlockBackbone, head: nn.Module
             "target": target, "backbone": backbone.config.model_dump(mode="json"),
             "head": _spec(head), "confidence": _spec(confidence), "drafter": config or {}}
     json.dumps(meta)  # fail before writing anything if the drafter config is not JSON
-    tensors = {}
+    tensors = {} if backbone.vocab is None else {f"vocab.{k}": v for k, v in backbone.vocab.tensors().items()}
     for prefix, module in (("backbone", backbone), ("head", head), ("confidence", confidence)):
         if module is not None:
             tensors.update({f"{prefix}.{k}": v.detach().cpu().contiguous() for k, v in module.state_dict().items()})
@@ -108,7 +110,12 @@ def load_drafter(directory: str | Path) -> tuple[BlockBackbone, nn.Module | None
     def part(prefix: str) -> dict[str, Any]:
         return {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
 
-    backbone = BlockBackbone(BlockDrafterConfig.model_validate(meta["backbone"]))
+    maps = part("vocab")
+    try:
+        vocab = DraftVocab.from_maps(maps["d2t"], maps["t2d"]) if maps else None
+    except (KeyError, ValueError) as exc:
+        raise DrafterCheckpointError(f"{directory / WEIGHTS}: its draft vocabulary maps are unusable ({exc})") from None
+    backbone = BlockBackbone(BlockDrafterConfig.model_validate(meta["backbone"]), vocab=vocab)
     backbone.load_state_dict(part("backbone"))  # strict: a missing or extra tensor is an error
     modules: dict[str, nn.Module | None] = {}
     for key in ("head", "confidence"):
@@ -118,7 +125,10 @@ def load_drafter(directory: str | Path) -> tuple[BlockBackbone, nn.Module | None
             continue
         cls = _classes()[spec["name"]]
         module = cls(cls.config_model.model_validate(spec["config"]))
-        module.load_state_dict(part(key))
+        state = part(key)
+        if "token_rows" in state:  # trained over the draft vocabulary: its shape first
+            module.restrict(state["token_rows"])
+        module.load_state_dict(state)
         modules[key] = module
     head, confidence = modules["head"], modules["confidence"]
     if confidence is not None and confidence.config.embedding == "head":

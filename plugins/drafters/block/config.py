@@ -57,6 +57,9 @@ class BlockDrafterConfig(BaseModel):
                           "False (DFlash): [anchor, MASK×γ], predictions at the γ mask slots")
     mask_token_id: int | None = Field(
         None, description="vocabulary id used as MASK (its frozen embedding); None: a learned vector")
+    draft_vocab_size: int | None = Field(
+        None, ge=1, description="N: the base logits cover a draft vocabulary of N target tokens (its d2t/t2d "
+                                "maps travel with the weights); None: the target's whole vocabulary")
 
     @model_validator(mode="after")
     def _check(self) -> BlockDrafterConfig:
@@ -67,6 +70,9 @@ class BlockDrafterConfig(BaseModel):
                 raise ValueError(f"target layer {layer} is outside the target's {self.n_target_layers} layers")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary")
+        if self.draft_vocab_size is not None and self.draft_vocab_size >= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be smaller than the target's "
+                             f"{self.vocab_size} tokens (leave it unset for the whole vocabulary)")
         return self
 
     @property

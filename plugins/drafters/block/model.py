@@ -14,12 +14,13 @@ Attention is plain SDPA with an explicit boolean mask: small blocks, no flex_att
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 
 __all__ = ["MASK", "BlockBackbone", "DraftLayer", "SharedWeights", "block_attention_mask"]
@@ -138,9 +139,16 @@ class DraftLayer(nn.Module):
 class BlockBackbone(nn.Module):
     """Feature fusion + draft layers + final norm; logits through the shared LM head."""
 
-    def __init__(self, config: BlockDrafterConfig, shared: SharedWeights | None = None, seed: int = 0) -> None:
+    def __init__(self, config: BlockDrafterConfig, shared: SharedWeights | None = None, seed: int = 0,
+                 vocab: DraftVocab | None = None) -> None:
         super().__init__()
         c = self.config = config
+        if (vocab is None) != (c.draft_vocab_size is None) or (vocab is not None and vocab.size != c.draft_vocab_size):
+            raise ValueError(f"draft_vocab_size={c.draft_vocab_size} needs a draft vocabulary of that size "
+                             f"(got {None if vocab is None else vocab.size})")
+        if vocab is not None:
+            vocab.check_target(c.vocab_size, "block drafter")
+        self.vocab = vocab
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # seeded init without touching the caller's RNG stream
             self.fc = nn.Linear(len(c.tap_layers) * c.dim, c.dim, bias=False)  # W_c, no bias
@@ -155,11 +163,22 @@ class BlockBackbone(nn.Module):
                     nn.init.normal_(p, std=0.02)
         inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.shared = shared  # a plain dataclass: the target's tensors never become parameters
+        # A plain dataclass: the target's tensors never become parameters.
+        self.shared = None if shared is None else self._restricted(shared)
 
     def bind(self, shared: SharedWeights) -> BlockBackbone:
-        self.shared = shared
+        self.shared = self._restricted(shared)
         return self
+
+    def _restricted(self, shared: SharedWeights) -> SharedWeights:
+        """With a draft vocabulary the base logits come from the LM head's rows of its N tokens
+        only (a frozen copy, packed like the target's own head when that one is)."""
+        if self.vocab is None:
+            return shared
+        from specforge.target.model import Projection
+
+        head = shared.lm_head.detach()[self.vocab.ids.to(shared.lm_head.device)].contiguous()
+        return replace(shared, lm_head=head, project=Projection(head) if shared.project is not None else None)
 
     @property
     def dtype(self) -> torch.dtype:

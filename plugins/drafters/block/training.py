@@ -28,8 +28,9 @@ from torch import Tensor, nn
 from specforge.config import SectionError
 from specforge.plugins import get_host
 from specforge.registry import ComponentKind
-from specforge.training.contract import DataNeeds, LossOutput, MetricNames, TrainBatch
+from specforge.training.contract import DataNeeds, DataSummary, LossOutput, MetricNames, TrainBatch
 from specforge.training.losses import dspark_loss
+from specforge.vocab import DraftVocab, DraftVocabError
 from specforge_plugins.drafters.block.checkpoint import DrafterCheckpointError, load_drafter, save_drafter
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.model import MASK, BlockBackbone, SharedWeights
@@ -89,6 +90,10 @@ class BlockTrainConfig(BaseModel):
         0.1, gt=0, description="initial final-norm weights: this times the target's final norm "
                                "(the scale its LM head was trained on); None: ones")
     loss: LossWeights = Field(default_factory=LossWeights)
+    draft_vocab: int | None = Field(
+        None, ge=1, description="N: draft only the N most frequent tokens of the training answers (the LM head, "
+                                "the heads' tables and q cover them; d2t/t2d maps in the checkpoint); "
+                                "None: the target's whole vocabulary")
 
     @field_validator("head", mode="before")
     @classmethod
@@ -137,16 +142,51 @@ class BlockTraining:
 
     def __init__(self, config: BlockTrainConfig, target: Any, device: torch.device | str = "cpu") -> None:
         self.settings = config
+        self.target = target
+        self.device = device
         self.target_name = str(target.name)
-        self.block_config = BlockDrafterConfig.from_model_args(
-            target.args, draft_layers=config.layers, gamma=config.gamma, predict_anchor=self.predict_anchor,
-            target_layers=tuple(config.target_layers) if config.target_layers is not None else None)
+        if config.draft_vocab is not None and config.draft_vocab >= target.args.vocab_size:
+            raise DraftVocabError(f"drafter.draft_vocab: {config.draft_vocab} is not smaller than the target's "
+                                  f"{target.args.vocab_size} tokens (leave it unset for the whole vocabulary)")
+        self.vocab: DraftVocab | None = None
+        self.block_config = self._block_config(None)
+        self._module: DrafterModule | None = None
+        if config.draft_vocab is None:  # nothing depends on the data: build now
+            self._module = self._build(None)
+
+    def _block_config(self, vocab: DraftVocab | None) -> BlockDrafterConfig:
+        c = self.settings
+        return BlockDrafterConfig.from_model_args(
+            self.target.args, draft_layers=c.layers, gamma=c.gamma, predict_anchor=self.predict_anchor,
+            target_layers=tuple(c.target_layers) if c.target_layers is not None else None,
+            draft_vocab_size=None if vocab is None else vocab.size)
+
+    def prepare(self, summary: DataSummary) -> None:
+        """With ``draft_vocab``: the N most frequent supervised tokens of the data become the
+        draft vocabulary, and the module is built over them."""
+        if self.settings.draft_vocab is None or self._module is not None:
+            return
+        if summary.token_counts is None:
+            raise ValueError("a draft vocabulary needs the data's token counts")
+        self.vocab = DraftVocab.most_frequent(summary.token_counts, self.settings.draft_vocab)
+        self.coverage = float(summary.token_counts[self.vocab.ids].sum() / summary.token_counts.sum().clamp_min(1))
+        self.block_config = self._block_config(self.vocab)
+        self._module = self._build(self.vocab)
+
+    @property
+    def module(self) -> DrafterModule:
+        if self._module is None:
+            raise RuntimeError("prepare() the method with the data's token counts first (draft_vocab is set)")
+        return self._module
+
+    def _build(self, vocab: DraftVocab | None) -> DrafterModule:
+        config, target, device = self.settings, self.target, self.device
         rt = target.runtime
         shared = SharedWeights.from_target(rt)
         if torch.device(device).type != "cpu":  # the drafter reads the target's frozen tensors on its device
             shared = SharedWeights(rt.embed.to(device), rt.lm_head.to(device), shared.embed_scale,
                                    None if rt.inv_freq is None else rt.inv_freq.to(device), shared.rope_scaling)
-        backbone = BlockBackbone(self.block_config, shared, seed=config.seed)
+        backbone = BlockBackbone(self.block_config, shared, seed=config.seed, vocab=vocab)
         if config.norm_init_scale is not None:  # the frozen LM head was trained on the target's norm's scale
             with torch.no_grad():
                 backbone.norm.weight.copy_(config.norm_init_scale * rt.norm.detach().float())
@@ -157,23 +197,32 @@ class BlockTraining:
                 parts[kind] = None
                 continue
             module = host.create(kind, spec["name"], {k: v for k, v in spec.items() if k != "name"})
+            if vocab is not None:
+                module.restrict(vocab.token_rows())
             module.bind(target)
             parts[kind] = module
         head, confidence = parts[ComponentKind.CORRECTION_HEAD], parts[ComponentKind.CONFIDENCE]
         if confidence is not None and getattr(confidence.config, "embedding", None) == "head":
             confidence.tie(head)
-        self.module = DrafterModule(backbone, head, confidence).to(device)
+        return DrafterModule(backbone, head, confidence).to(device)
 
     def needs(self) -> DataNeeds:
         c = self.block_config
         return DataNeeds(layers=tuple(c.tap_layers), block=c.gamma, input_len=c.block_len,
-                         mask_token_id=MASK if c.mask_token_id is None else c.mask_token_id)
+                         mask_token_id=MASK if c.mask_token_id is None else c.mask_token_id,
+                         token_counts=self.settings.draft_vocab is not None)
 
     def loss(self, outputs: tuple[Tensor, Tensor | None], batch: TrainBatch) -> LossOutput:
         logits, conf = outputs
         w = self.settings.loss
-        res = dspark_loss(logits, batch.labels, batch.p_t, batch.valid, conf, gamma=self.block_config.gamma,
-                          ce_weight=w.ce_weight, tv_weight=w.tv_weight, conf_weight=w.conf_weight)
+        labels, p_t, outside = batch.labels, batch.p_t, None
+        if self.vocab is not None:  # the draft law covers N tokens: p_t there, the rest is outside
+            ids = self.vocab.ids.to(p_t.device)
+            p_t = p_t[..., ids]
+            outside = (1 - p_t.sum(-1)).clamp_min(0)
+            labels = self.vocab.to_draft(labels.clamp_min(0)).masked_fill(labels < 0, -1)
+        res = dspark_loss(logits, labels, p_t, batch.valid, conf, gamma=self.block_config.gamma,
+                          ce_weight=w.ce_weight, tv_weight=w.tv_weight, conf_weight=w.conf_weight, outside=outside)
         return LossOutput(total=res.total, blocks=res.mask[:, 0].sum(),
                           means={"ce": res.ce, "tv": res.tv, "conf": res.conf, "tau": res.tau},
                           sums={"supervised": res.mask.sum().float()},
@@ -181,12 +230,17 @@ class BlockTraining:
 
     def save(self, directory: Path, provenance: dict[str, Any]) -> None:
         m = self.module
+        extra = {} if self.vocab is None else {"draft_vocab": self.vocab.size, "train_coverage": self.coverage}
         save_drafter(directory, m.backbone, m.head, m.confidence,
-                     {"kind": self.method, "gamma": self.block_config.gamma, **provenance},
+                     {"kind": self.method, "gamma": self.block_config.gamma, **provenance, **extra},
                      method=self.method, target=self.target_name)
 
     def load(self, directory: Path) -> None:
         backbone, head, confidence, _ = load_drafter(directory)
+        if (backbone.vocab is None) != (self.vocab is None) or (
+                self.vocab is not None and not torch.equal(backbone.vocab.ids, self.vocab.ids)):
+            raise DrafterCheckpointError(f"{directory}: its draft vocabulary differs from the one this run's data "
+                                         "gives (resume with the same data and drafter.draft_vocab)")
         m = self.module
         for mine, loaded, name in ((m.backbone, backbone, "backbone"), (m.head, head, "correction head"),
                                    (m.confidence, confidence, "confidence head")):

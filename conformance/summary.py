@@ -1,0 +1,60 @@
+"""``specforge conformance summary``: pool the reports of a false-alarm run of correct combinations.
+
+A many-seed false-alarm run (``specforge conformance --seeds K --out FILE``) is best split over
+several resumable files, one per core; this pools them: seeds, statistical cases, failures,
+re-runs, the smallest p-value against the per-case α, the largest total-variation distance, and
+the combinations and seeds where those extremes occurred::
+
+    specforge conformance summary runs/conformance/false-alarms*.json
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from specforge.errors import SpecforgeError
+
+__all__ = ["ReportError", "read_seeds", "summarize"]
+
+
+class ReportError(SpecforgeError):
+    """A report file that cannot be read, or files that hold no statistical case."""
+
+
+def read_seeds(paths: Iterable[str]) -> dict[int, dict]:
+    """Every seed's report in the files, by seed (a seed found twice keeps its last report)."""
+    seeds: dict[int, dict] = {}
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ReportError(f"{path}: {exc}") from None
+        # a multi-seed run writes {"seeds": [...]}, a single seed its report itself
+        for rec in data["seeds"] if "seeds" in data else [data]:
+            seeds[rec["seed"]] = rec
+    return seeds
+
+
+def summarize(seeds: dict[int, dict]) -> tuple[str, bool]:
+    """The summary as text, and whether every seed passed."""
+    cases = [(s, case) for s, rec in seeds.items() for combo in rec["combinations"] for case in combo["cases"]]
+    fits = [(c["fit"]["p_value"], c["fit"]["tv"], c["alpha"], c["combination"], s) for s, c in cases if c.get("fit")]
+    if not fits:
+        raise ReportError("the reports hold no statistical case")
+    failed = sorted(s for s, rec in seeds.items() if not rec["passed"])
+    reruns = [c for _, c in cases if c.get("rerun")]
+    p_min = min(fits, key=lambda f: f[0])
+    tv_max = max(fits, key=lambda f: f[1])
+    span = sorted(seeds)
+    missing = sorted(set(range(span[0], span[-1] + 1)) - set(span)) or "none"
+    median_seconds = sorted(r["seconds"] for r in seeds.values())[len(seeds) // 2]
+    lines = [
+        f"seeds: {len(seeds)} ({span[0]}..{span[-1]}; missing: {missing})",
+        f"statistical cases: {len(fits)}, failed seeds: {failed or 'none'}, cases re-run at 10x N: {len(reruns)}",
+        f"smallest p-value: {p_min[0]:.3g} (per-case alpha {p_min[2]:.2g}; {p_min[3]}, seed {p_min[4]})",
+        f"largest TV: {tv_max[1]:.4f} ({tv_max[3]}, seed {tv_max[4]})",
+        f"median seconds per seed: {median_seconds:.0f}",
+    ]
+    return "\n".join(lines), not failed

@@ -1,0 +1,161 @@
+"""``specforge bench ab``: paired A/B of decoding setups in one process, in short interleaved trials.
+
+These machines drift by ±30 % within minutes, so one run of A followed by one run of B says
+little, and even runs minutes apart pair poorly.  Here every trial is short (one batch of
+``concurrency`` prompts, ``max_new_tokens`` tokens, a second or two per arm) and runs every arm
+back to back, the order reversed from trial to trial; each arm's speed is divided by the baseline
+arm's *in the same trial*.  The median and quartiles of those ratios over many trials are what
+this reports — seconds apart, the machine's drift mostly cancels.
+
+Arms: ``hf`` (Hugging Face ``generate``, bf16, the batch left-padded), and
+``{eager,compiled}-{plain,ngram}`` (this engine, bf16, eager or compiled target forward; ``ngram``
+with γ = 5 and the fixed scheduler, as in ``specforge bench engine``); a ``native-`` prefix runs
+the same arm with the GGUF's 4-bit blocks as stored (``target.weights=native``)::
+
+    specforge bench ab --arms hf eager-plain compiled-plain compiled-ngram --trials 40 --out runs/engine-ab
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specforge.bench.engine_bench import variant_engine
+from specforge.bench.hf_baseline import load_smollm2, run_generate
+from specforge.engine import GenerationRequest
+from specforge.errors import SpecforgeError
+from specforge.evalsets import apply_chat_template, select_prompts
+from specforge.target import TargetModel
+
+__all__ = ["ARMS", "ABError", "quartiles", "ratios", "run_ab", "save", "table"]
+
+ENGINE_ARMS = [f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram")]
+ARMS = ["hf", *ENGINE_ARMS]
+DATASETS = ["humaneval", "mt-bench"]
+
+
+class ABError(SpecforgeError):
+    """An A/B run that cannot be set up as asked."""
+
+
+def quartiles(xs: list[float]) -> list[float]:
+    return [round(q, 3) for q in statistics.quantiles(xs, n=4)] if len(xs) > 1 else [round(xs[0], 3)] * 3
+
+
+def _weights(arm: str) -> str:
+    return "native" if arm.startswith("native-") else "dense"
+
+
+class _Arms:
+    """Everything the arms decode with, loaded once: a target per kind of weights (with its
+    compiled trunk where an arm needs it), an engine per engine arm, and HF's model for ``hf``."""
+
+    def __init__(self, arms: Sequence[str], concurrency: int, max_new_tokens: int) -> None:
+        engine_arms = [a for a in arms if a != "hf"]
+        self.targets = {w: TargetModel.load("smollm2", "bfloat16", weights=w)
+                        for w in ("dense", "native") if any(_weights(a) == w for a in engine_arms)}
+        self.tokenizer = (next(iter(self.targets.values())).tokenizer if self.targets
+                          else load_smollm2("float32")[1])
+        self.trunks = {}
+        for w, target in self.targets.items():
+            if any("compiled" in a and _weights(a) == w for a in engine_arms):
+                if not target.runtime.compile():
+                    raise ABError("torch.compile is not available here (no C++ compiler)")
+                self.trunks[w] = target.runtime.compiled
+        self.engines = {a: variant_engine(self.targets[_weights(a)], a.rsplit("-", 1)[1], concurrency, max_new_tokens)
+                        for a in engine_arms}
+        self.hf_model, self.pad_id = None, 0
+        if "hf" in arms:
+            self.hf_model = load_smollm2("float32", tokenizer=False)[0].to(torch.bfloat16)
+            self.pad_id = self.hf_model.generation_config.pad_token_id or 0
+
+    def speed(self, arm: str, batch: list[list[int]], tokens: int) -> float:
+        """Tokens per second of ``arm`` decoding ``batch`` for ``tokens`` tokens each."""
+        if arm == "hf":
+            rows, seconds = run_generate(self.hf_model, batch, tokens, self.pad_id)
+            return sum(len(r) for r in rows) / seconds
+        w = _weights(arm)
+        self.targets[w].runtime.compiled = self.trunks.get(w) if "compiled" in arm else None
+        started = time.perf_counter()
+        outs = self.engines[arm].generate([GenerationRequest(prompt_ids=p, max_new_tokens=tokens, ignore_eos=True)
+                                           for p in batch])
+        return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - started)
+
+
+def run_ab(
+    arms: Sequence[str],
+    baseline: str | None = None,
+    trials: int = 40,
+    concurrency: int = 1,
+    prompts: int = 8,
+    max_new_tokens: int = 32,
+    threads: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Warm every arm up, then run ``trials`` paired trials; ``baseline`` (default: the first arm)
+    is what the ratios divide by.  ``progress`` hears a line every 10 trials."""
+    arms = list(arms)
+    baseline = baseline or arms[0]
+    if baseline not in arms:
+        raise ABError(f"--baseline {baseline!r} is not one of --arms")
+    if threads:
+        torch.set_num_threads(threads)
+    c, n = concurrency, max_new_tokens
+    setup = _Arms(arms, c, n)
+    ids = [apply_chat_template(setup.tokenizer, p.text) for p in select_prompts(DATASETS, max(prompts, c))]
+
+    def batch(first: int) -> list[list[int]]:
+        return [ids[(first + j) % len(ids)] for j in range(c)]
+
+    started = time.perf_counter()
+    for arm in arms:  # compile the graphs (sizes generalise over the first passes), untimed
+        for i in range(3 if "compiled" in arm else 1):
+            setup.speed(arm, batch(i), n)
+    warmup = time.perf_counter() - started
+    speeds: dict[str, list[float]] = {a: [] for a in arms}
+    for t in range(trials):
+        for arm in (arms if t % 2 == 0 else arms[::-1]):  # alternate the order: no arm always goes first
+            speeds[arm].append(setup.speed(arm, batch(t * c), n))
+        if progress is not None and (t + 1) % 10 == 0:
+            progress(f"trial {t + 1}/{trials}: " + ", ".join(f"{a} {speeds[a][-1]:.1f}" for a in arms))
+    return {"arms": arms, "baseline": baseline, "trials": trials, "concurrency": c, "max_new_tokens": n,
+            "threads": torch.get_num_threads(), "warmup_seconds": round(warmup, 1),
+            "compile_failed": {w: trunk.failed for w, trunk in setup.trunks.items()},
+            "summary": ratios(speeds, baseline), "tok_s": speeds}
+
+
+def ratios(speeds: dict[str, list[float]], baseline: str) -> dict[str, dict[str, Any]]:
+    """Per arm: the median and quartiles of its speed and of its ratio to the baseline's speed in
+    the same trial."""
+    summary = {}
+    for arm, xs in speeds.items():
+        per_trial = [x / b for x, b in zip(xs, speeds[baseline])]
+        summary[arm] = {"tok_s_median": round(statistics.median(xs), 2), "tok_s_quartiles": quartiles(xs),
+                        f"ratio_to_{baseline}_median": round(statistics.median(per_trial), 3),
+                        f"ratio_to_{baseline}_quartiles": quartiles(per_trial)}
+    return summary
+
+
+def save(result: dict[str, Any], out: Path) -> Path:
+    """Write the result as ``ab-ARMS-cC.json`` in ``out``; returns the file."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"ab-{'-'.join(result['arms'])}-c{result['concurrency']}.json"
+    path.write_text(json.dumps(result, indent=2))
+    return path
+
+
+def table(result: dict[str, Any]) -> str:
+    baseline = result["baseline"]
+    head = f"{'arm':<16} {'tok/s median':>12} {'÷ ' + baseline + ' median':>22} {'quartiles':>16}"
+    lines = [head, "-" * len(head)]
+    for arm, s in result["summary"].items():
+        q = s[f"ratio_to_{baseline}_quartiles"]
+        lines.append(f"{arm:<16} {s['tok_s_median']:>12.1f} {s[f'ratio_to_{baseline}_median']:>22.2f} "
+                     f"{q[0]:>7.2f}–{q[2]:.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""``specforge bench round``: what each part of a speculative round costs, in plain decoding steps.
+
+A speculative round pays for its draft (context ingest, the backbone pass, the LM head, the
+sequential stage with its correction head), for the confidence estimate and the scheduler, for
+one target pass over every verified draft (the verify pass), for the verifier and for the commit.
+It wins when τ tokens per round cost less than τ plain steps.  This benchmark decodes the same
+prompts plainly and speculatively in the same run — alternating, so that a machine's drift hits
+both arms — and reports each part in milliseconds per round and as a share of one plain decoding
+step, for every (concurrency, γ) asked for.  The paper's figure for its Markov head is 0.2–1.3 %
+of a round on GPUs; on a CPU the LM head and the head's W2 reads weigh much more.
+
+Outputs: a JSON file, a table, and a stacked-bar PNG (each part in plain steps, per setting).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from specforge.bench.machine import machine
+from specforge.config import EngineConfig, load_pipeline
+from specforge.engine import Engine, GenerationRequest
+from specforge.evalsets import apply_chat_template, select_prompts
+
+__all__ = ["DRAFT_PARTS", "PARTS", "plot", "run_round_benchmark", "save", "table"]
+
+DRAFT_PARTS = ("ingest", "backbone", "lm_head", "sequential")  # inside the drafter, in order
+# Every part of a round, in the order it runs; ``draft_other`` is the drafter's and the engine's
+# bookkeeping around them (building the context, gathering features, bounds).
+PARTS = (*DRAFT_PARTS, "draft_other", "confidence", "scheduler", "verify_pass", "verifier", "commit")
+DEFAULT_SETS = ("gsm8k", "humaneval", "mt-bench")
+
+
+def _drive(engine: Engine, requests: list[GenerationRequest]) -> tuple[int, int, float]:
+    """Run ``requests`` to the end; returns (rounds, new tokens, seconds inside rounds)."""
+    before = sum(engine.phase_seconds.values())
+    for r in requests:
+        engine.submit(r)
+    rounds = 0
+    while engine.busy:
+        spent = sum(engine.phase_seconds.values())
+        engine.step()
+        rounds += sum(engine.phase_seconds.values()) > spent  # a step that ran a round (not only prefill)
+    outs = [engine.take_output(r.request_id) for r in requests]
+    return rounds, sum(len(o.token_ids) for o in outs), sum(engine.phase_seconds.values()) - before
+
+
+def _reset(engine: Engine) -> None:
+    engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
+    engine.draft_seconds = dict.fromkeys(engine.draft_seconds, 0.0)
+    parts = getattr(engine.drafter, "part_seconds", None)
+    if parts is not None:
+        engine.drafter.part_seconds = dict.fromkeys(parts, 0.0)
+
+
+def _requests(prompt_ids: list[list[int]], max_new_tokens: int, first_id: int) -> list[GenerationRequest]:
+    # Greedy: both arms write the same text, so they decode the same number of tokens.
+    return [GenerationRequest(prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=0.0, request_id=first_id + i)
+            for i, ids in enumerate(prompt_ids)]
+
+
+def _parts(engine: Engine, rounds: int) -> dict[str, float]:
+    """Milliseconds per round of every part of ``engine``'s speculative rounds."""
+    per = 1000.0 / max(rounds, 1)
+    drafter = getattr(engine.drafter, "part_seconds", {})
+    out = {p: drafter.get(p, 0.0) * per for p in DRAFT_PARTS}
+    d, ph = engine.draft_seconds, engine.phase_seconds
+    out["confidence"], out["scheduler"] = d["confidence"] * per, d["scheduler"] * per
+    out["draft_other"] = max(0.0, ph["draft"] * per - sum(out[p] for p in DRAFT_PARTS) - out["confidence"]
+                             - out["scheduler"])
+    out["verify_pass"], out["verifier"], out["commit"] = ph["target"] * per, ph["verify"] * per, ph["commit"] * per
+    return out
+
+
+def measure_setting(sources: Sequence[str], overrides: Sequence[str], target: Any, prompt_ids: list[list[int]],
+                    gamma: int, max_new_tokens: int, repeats: int) -> dict[str, Any]:
+    """One (concurrency, γ): plain and speculative decoding of the same prompts, alternated."""
+    c = len(prompt_ids)
+    pipeline = load_pipeline(list(sources), [*overrides, f"drafter.gamma={gamma}"])
+    limits = EngineConfig(max_batch=c, max_context=pipeline.engine.max_context)
+    spec = Engine.from_pipeline(replace(pipeline, engine=limits), target)
+    plain = Engine(target, pipeline.component("verifier").create(), engine=limits)
+    for engine in (plain, spec):  # first-call allocations and kernel choices, untimed
+        _drive(engine, _requests(prompt_ids[:1], 8, 10_000))
+        _reset(engine)
+    plain_rounds = plain_tokens = spec_rounds = spec_tokens = 0
+    plain_s = spec_s = 0.0
+    rid = 0
+    for i in range(repeats):
+        order = (plain, spec) if i % 2 == 0 else (spec, plain)  # alternate which arm goes first
+        for engine in order:
+            rounds, tokens, seconds = _drive(engine, _requests(prompt_ids, max_new_tokens, rid))
+            rid += c
+            if engine is plain:
+                plain_rounds, plain_tokens, plain_s = plain_rounds + rounds, plain_tokens + tokens, plain_s + seconds
+            else:
+                spec_rounds, spec_tokens, spec_s = spec_rounds + rounds, spec_tokens + tokens, spec_s + seconds
+    plain_ms = 1000.0 * plain_s / max(plain_rounds, 1)
+    parts = _parts(spec, spec_rounds)
+    round_ms = sum(parts.values())
+    tau = spec_tokens / max(spec_rounds, 1) / c  # tokens per request per round
+    return {
+        "concurrency": c, "gamma": gamma, "rounds": spec_rounds, "tau": tau,
+        "plain_step_ms": plain_ms, "round_ms": round_ms, "parts_ms": parts,
+        "parts_in_plain_steps": {p: v / plain_ms for p, v in parts.items()},
+        "round_in_plain_steps": round_ms / plain_ms,
+        # What the round adds on top of the target's own pass over the verified drafts.
+        "overhead_in_plain_steps": (round_ms - parts["verify_pass"]) / plain_ms,
+        "verify_pass_in_plain_steps": parts["verify_pass"] / plain_ms,
+        "speedup": (spec_tokens / spec_s) / (plain_tokens / plain_s) if spec_s and plain_s and plain_tokens else None,
+    }
+
+
+def run_round_benchmark(sources: Sequence[str] = ("dspark",), overrides: Sequence[str] = (),
+                        concurrency: Sequence[int] = (1, 16), gammas: Sequence[int] = (4, 7, 16),
+                        datasets: Sequence[str] = DEFAULT_SETS, max_new_tokens: int = 64, repeats: int = 2,
+                        eval_dir: str | None = None,
+                        progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Every (concurrency, γ) of a speculative pipeline against plain decoding, same run."""
+    from specforge.target import TargetModel
+
+    base = load_pipeline(list(sources), list(overrides))
+    if base.component("drafter") is None:
+        from specforge.config import ConfigError
+
+        raise ConfigError(["drafter.name: bench round measures a speculative pipeline; this one has no drafter"])
+    target = TargetModel.load(base.target.model, base.target.dtype, base.target.compile, base.target.weights)
+    prompts = select_prompts(list(datasets), max(concurrency), eval_dir)
+    ids = [apply_chat_template(target.tokenizer, p.text) for p in prompts]
+    started = time.perf_counter()
+    rows = []
+    for c in concurrency:
+        for g in gammas:
+            progress(f"c={c} γ={g} …")
+            rows.append(measure_setting(sources, overrides, target, ids[:c], g, max_new_tokens, repeats))
+    return {"machine": machine(), "pipeline": base.to_dict(), "datasets": list(datasets),
+            "max_new_tokens": max_new_tokens, "repeats": repeats, "seconds": time.perf_counter() - started,
+            "rows": rows}
+
+
+def table(result: dict[str, Any]) -> str:
+    """Parts in plain steps per (c, γ), then the round, its overhead, τ and the speedup."""
+    short = {"ingest": "ingest", "backbone": "backb.", "lm_head": "LMhead", "sequential": "seq.",
+             "draft_other": "other", "confidence": "conf.", "scheduler": "sched.", "verify_pass": "verify",
+             "verifier": "verif.", "commit": "commit"}
+    head = ["c", "γ", "plain ms", *(short[p] for p in PARTS), "round", "overhead", "τ", "speedup"]
+    lines = [head]
+    for r in result["rows"]:
+        s = r["parts_in_plain_steps"]
+        lines.append([str(r["concurrency"]), str(r["gamma"]), f"{r['plain_step_ms']:.1f}",
+                      *(f"{s[p]:.3f}" for p in PARTS), f"{r['round_in_plain_steps']:.2f}",
+                      f"{r['overhead_in_plain_steps']:.2f}", f"{r['tau']:.2f}",
+                      "-" if r["speedup"] is None else f"{r['speedup']:.2f}"])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    text = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    m = result["machine"]
+    return f"{m['cpu']} ({', '.join(m['flags']) or 'no AVX-512/AMX'}; {m['torch_threads']} threads); parts in plain " \
+           f"decoding steps\n" + "\n".join(text)
+
+
+def plot(result: dict[str, Any], path: str | Path) -> Path:
+    """Stacked bars: each part of a round in plain steps, one bar per (c, γ); the line at 1 is a
+    plain step, and τ over each bar is what the round buys."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = result["rows"]
+    fig = Figure(figsize=(max(5.0, 1.1 * len(rows) + 2.5), 4.6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    labels = [f"c={r['concurrency']}\nγ={r['gamma']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for part in PARTS:
+        heights = [r["parts_in_plain_steps"][part] for r in rows]
+        ax.bar(labels, heights, bottom=bottom, label=part.replace("_", " "))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for x, (r, top) in enumerate(zip(rows, bottom)):
+        ax.annotate(f"τ={r['tau']:.2f}", (x, top), ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_ylabel("plain decoding steps per round")
+    ax.set_title(f"one speculative round, part by part ({result['machine']['cpu']})", fontsize=9)
+    ax.legend(fontsize=7, ncols=2, loc="upper left")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def save(result: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    from specforge.files import write_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "round.json"
+    write_atomic(json_path, json.dumps(result, indent=2) + "\n")
+    return json_path, plot(result, out / "round.png")

@@ -1,0 +1,44 @@
+"""``specforge bench ab``: its options, and the per-trial ratios it reports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from specforge.bench.ab import ARMS, ratios, save, table
+
+
+def specforge(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specforge", *args], capture_output=True, text=True)
+
+
+def test_help_lists_every_arm():
+    result = specforge("bench", "ab", "--help")
+    assert result.returncode == 0, result.stderr
+    for option in ("--arms", "--baseline", "--trials", "--concurrency", "--prompts", "--max-new-tokens",
+                   "--threads", "--out"):
+        assert option in result.stdout
+    assert set(ARMS) == {"hf"} | {f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled")
+                                  for v in ("plain", "ngram")}
+    assert "native-compiled-ngram" in result.stdout
+
+
+def test_a_baseline_outside_the_arms_is_refused_before_anything_loads():
+    result = specforge("bench", "ab", "--arms", "hf", "eager-plain", "--baseline", "compiled-plain")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --baseline 'compiled-plain' is not one of --arms"
+
+
+def test_ratios_divide_by_the_baseline_of_the_same_trial(tmp_path):
+    # The machine halves its speed from the second trial on: per-trial ratios do not see it.
+    speeds = {"hf": [10.0, 5.0, 5.0], "eager-plain": [20.0, 10.0, 10.0]}
+    summary = ratios(speeds, "hf")
+    assert summary["eager-plain"]["ratio_to_hf_median"] == 2.0
+    assert summary["eager-plain"]["ratio_to_hf_quartiles"] == [2.0, 2.0, 2.0]
+    assert summary["eager-plain"]["tok_s_median"] == 10.0
+    assert summary["hf"]["ratio_to_hf_median"] == 1.0
+    result = {"arms": list(speeds), "baseline": "hf", "concurrency": 1, "summary": summary}
+    lines = table(result).splitlines()
+    assert lines[0].split()[:3] == ["arm", "tok/s", "median"] and "÷ hf median" in lines[0]
+    assert lines[3].split()[:3] == ["eager-plain", "10.0", "2.00"]
+    assert save(result, tmp_path).name == "ab-hf-eager-plain-c1.json"

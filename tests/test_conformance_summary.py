@@ -1,0 +1,68 @@
+"""``specforge conformance summary``: the reports of a split false-alarm run, pooled."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specforge_conformance.summary import ReportError, read_seeds, summarize
+
+
+def case(p_value: float, tv: float, label: str = "ngram / rejection", rerun: bool = False) -> dict:
+    return {"combination": label, "alpha": 1e-7, "fit": {"p_value": p_value, "tv": tv},
+            "rerun": {"fit": {"p_value": 0.5, "tv": 0.01}} if rerun else None}
+
+
+def report(seed: int, *cases: dict, passed: bool = True, seconds: float = 10.0) -> dict:
+    return {"tier": "fast", "seed": seed, "passed": passed, "seconds": seconds,
+            "combinations": [{"cases": list(cases)}]}
+
+
+@pytest.fixture
+def reports(tmp_path):
+    """A two-seed --out file and a single-seed report; seed 2 is missing."""
+    several = tmp_path / "false-alarms-a.json"
+    several.write_text(json.dumps({"seeds": [report(0, case(0.2, 0.03), case(0.01, 0.05, rerun=True)),
+                                             report(1, case(0.3, 0.02), seconds=30.0)],
+                                   "passed": True, "complete": True}))
+    single = tmp_path / "false-alarms-b.json"
+    single.write_text(json.dumps(report(3, case(0.4, 0.08, label="match / greedy"), seconds=20.0)))
+    return [str(several), str(single)]
+
+
+def specforge(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specforge", *args], capture_output=True, text=True)
+
+
+def test_summary_pools_every_seed_of_every_file(reports):
+    text, passed = summarize(read_seeds(reports))
+    assert passed
+    assert text.splitlines() == [
+        "seeds: 3 (0..3; missing: [2])",
+        "statistical cases: 4, failed seeds: none, cases re-run at 10x N: 1",
+        "smallest p-value: 0.01 (per-case alpha 1e-07; ngram / rejection, seed 0)",
+        "largest TV: 0.0800 (match / greedy, seed 3)",
+        "median seconds per seed: 20",
+    ]
+
+
+def test_the_command_prints_the_summary_and_fails_with_a_failed_seed(reports, tmp_path):
+    ok = specforge("conformance", "summary", *reports)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("seeds: 3 (0..3; missing: [2])\n")
+    failed = tmp_path / "failed.json"
+    failed.write_text(json.dumps(report(2, case(1e-9, 0.2), passed=False)))
+    bad = specforge("conformance", "summary", *reports, str(failed))
+    assert bad.returncode == 1
+    assert "failed seeds: [2]" in bad.stdout and "missing: none" in bad.stdout
+
+
+def test_an_unreadable_report_is_one_line_of_error(tmp_path):
+    result = specforge("conformance", "summary", str(tmp_path / "absent.json"))
+    assert result.returncode == 2 and result.stderr.startswith("error: ")
+    assert "absent.json" in result.stderr and "Traceback" not in result.stderr
+    with pytest.raises(ReportError, match="no statistical case"):
+        summarize({0: report(0)})
