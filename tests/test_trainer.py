@@ -193,7 +193,7 @@ def test_config_errors_name_the_key_and_the_valid_keys(tmp_path):
     with pytest.raises(TrainConfigError, match="drafter.head.name: 'lstm' is not a trainable correction head; "
                                                "choose one of: gated, markov, none, rnn"):
         load_train_config("quick", ["drafter.head.name=lstm"])
-    with pytest.raises(TrainConfigError, match="no such config file or training preset; presets: full, medium, quick"):
+    with pytest.raises(TrainConfigError, match="no such config file or training preset; presets: cpu, full, medium, quick"):
         load_train_config("quik")
 
     # YAML files compose over presets; overriding total_steps replaces the preset's epochs.
