@@ -111,7 +111,12 @@ def check_probs(probs: Tensor, valid: Tensor | None = None, what: str = "probabi
     has no mass at all (nothing could have been sampled from it).  ``valid`` (``[R, P]`` bool)
     restricts the check to rows that are actually used.
     """
-    bad = ~torch.isfinite(probs).all(-1) | (probs < 0).any(-1) | ~(probs > 0).any(-1)
+    # Two reductions decide every row: a row whose smallest entry is ≥ 0 and whose sum is finite
+    # and positive holds no NaN, no infinity, no negative entry and some mass.  (A sum can also
+    # overflow on huge finite entries, which no probability has.)  This runs every round over
+    # [R, γ+1, V]: one pass each, no boolean tensors of that size.
+    sums = probs.sum(-1)
+    bad = ~torch.isfinite(sums) | (sums <= 0) | (probs.amin(-1) < 0)
     _raise_first(bad, valid, f"{what} must be finite, non-negative and not all zero")
 
 
@@ -150,6 +155,10 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
     # Each row takes one of three paths, chosen by its own settings only (so a row's result never
     # depends on its batch-mates): greedy rows put everything on the first arg-max; untruncated
     # rows are a plain softmax; only rows with top-k/top-p pay for sorting the vocabulary.
+    if bool(plain.all()):  # the common batches are homogeneous: no row selection, no copies
+        return torch.softmax(x / t, dim=-1).reshape(shape)
+    if bool(greedy.all()):
+        return torch.zeros_like(x).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0).reshape(shape)
     probs = torch.empty_like(x)
     if bool(greedy.any()):
         first = x[greedy].argmax(dim=-1, keepdim=True)  # argmax returns the first maximal index
