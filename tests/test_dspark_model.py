@@ -348,3 +348,20 @@ def test_dspark_components_are_registered_through_the_shipped_plugins():
     assert isinstance(conf, DSparkConfidence) and isinstance(conf, ConfidenceEstimator)
     with pytest.raises(Exception, match="rnak"):
         host.create_correction_head("markov", {"rnak": 8})
+
+
+def test_packed_backbone_matches_the_unpacked_one_in_bf16():
+    """Inference packs every projection as the target's are (oneDNN blocked bf16 on CPU); the
+    outputs stay those of the plain bf16 module to bf16 rounding."""
+    import copy
+
+    model = BlockBackbone(config(), shared()).to(torch.bfloat16).eval()
+    packed = copy.deepcopy(model).pack()
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    ids = torch.tensor([[3, MASK, MASK, MASK]])
+    feats = torch.randn(1, 6, len(config().tap_layers) * config().dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, _ = model(ids, feats.to(torch.bfloat16), torch.tensor([6]), with_logits=False)
+        got, _ = packed(ids, feats.to(torch.bfloat16), torch.tensor([6]), with_logits=False)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
+    assert set(packed.state_dict()) == set(model.state_dict())

@@ -52,7 +52,8 @@ class DSparkConfig(BaseModel):
         None, description="tapped target layers of a random init; None: 5 spread from 1 to L-3 of the bound target")
     seed: int = Field(0, description="seed of the random initialisation")
     dtype: Literal["float32", "target"] = Field(
-        "float32", description="float32, or 'target': run the backbone in the target's dtype")
+        "target", description="'target': run the backbone in the target's dtype (bf16 on the embedded default), "
+                              "its projections packed as the target's are; float32: as trained")
     candidates: int | None = Field(
         None, ge=1, description="sequential stage on the top-K tokens of the base logits U_k only: the "
                                 "correction head reads K columns of W2 instead of V, and q_k is the exact "
@@ -110,7 +111,7 @@ class BlockDrafter:
         else:
             backbone = BlockBackbone(self._random_config(args), seed=self.config.seed)
         if self.config.dtype == "target":
-            backbone = backbone.to(runtime.dtype)
+            backbone = backbone.to(runtime.dtype).pack()
         self.backbone = backbone.eval().bind(SharedWeights.from_target(runtime))
         c = backbone.config
         self.feature_layers = c.tap_layers
