@@ -202,7 +202,7 @@ class BlockDrafter:
             logits = torch.full((r, g, v), float("-inf"), dtype=base.dtype)
             probs = torch.zeros(r, g, v, dtype=base.dtype)
         support = base.topk(k_top, dim=-1).indices if k_top is not None else None  # [R, g, K] draft ids
-        every = torch.arange(n).expand(r, n)
+        every = torch.arange(n).expand(r, n) if support is None else None  # the columns of a whole row
         tokens = torch.empty(r, g, dtype=torch.long)
         prev, in_head = ctx.anchor, 0.0
         for k in range(g):
