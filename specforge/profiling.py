@@ -135,8 +135,8 @@ def measure_sps(
     medians = [statistics.median(times[b]) for b in batches]
     fitted = non_increasing([1.0 / m for m in medians])
     points = dict(zip(batches, fitted))
-    records = [{"batch": b, "requests": r, "seconds": [round(t, 6) for t in times[b]],
-                "median_s": round(m, 6), "sps_measured": round(1.0 / m, 3), "sps": round(f, 3),
+    records = [{"batch": b, "requests": r, "seconds": [round(t, 9) for t in times[b]],
+                "median_s": round(m, 9), "sps_measured": round(1.0 / m, 3), "sps": round(f, 3),
                 "tokens_per_s": round(b * f, 1)}
                for (b, r, _, _), m, f in zip(passes, medians, fitted)]
     profile = HardwareProfile(points, device=_device_label(), target=target.name)
