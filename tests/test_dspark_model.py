@@ -365,3 +365,31 @@ def test_packed_backbone_matches_the_unpacked_one_in_bf16():
         got, _ = packed(ids, feats.to(torch.bfloat16), torch.tensor([6]), with_logits=False)
     torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
     assert set(packed.state_dict()) == set(model.state_dict())
+
+
+def test_the_context_cache_appends_many_requests_at_once_and_reuses_slots():
+    from specforge_plugins.drafters.block.context import ContextCache
+
+    cache = ContextCache(n_layers=2, kv_heads=1, head_dim=2, dtype=torch.float32)
+
+    def rows(n, base):
+        k = torch.arange(n * 2, dtype=torch.float32).view(n, 1, 2) + base
+        return [(k, -k), (2 * k, -2 * k)]
+
+    def cat(*parts):
+        return [tuple(torch.cat([p[i][j] for p in parts]) for j in range(2)) for i in range(2)]
+
+    # Requests 7 and 9 get 3 and 70 positions in one call (70 > the initial capacity: it grows).
+    cache.extend_many([7, 9, 11], torch.tensor([0, 0, 0]), torch.tensor([3, 70, 0]), cat(rows(3, 100), rows(70, 0)))
+    assert (cache.length(7), cache.length(9), cache.length(11)) == (3, 70, 0) and 11 not in cache
+    kv, positions, valid = cache.gather([9, 7])
+    assert kv[0][0].shape == (2, 70, 1, 2) and valid.sum(1).tolist() == [70, 3]
+    assert torch.equal(kv[1][0][1, :3], rows(3, 100)[1][0]) and torch.equal(kv[0][1][0], rows(70, 0)[0][1])
+    cache.extend_many([7], torch.tensor([3]), torch.tensor([2]), rows(2, 500))
+    assert torch.equal(cache.gather([7])[0][0][0][0, 3:5], rows(2, 500)[0][0])
+    with pytest.raises(RuntimeError, match="request 7: target features start at position 9"):
+        cache.extend_many([7], torch.tensor([9]), torch.tensor([1]), rows(1, 0))
+    cache.release(7)
+    assert 7 not in cache and cache.length(7) == 0
+    cache.extend_many([12], torch.tensor([0]), torch.tensor([1]), rows(1, 0))  # takes 7's freed slot
+    assert len(cache) == 2 and cache.gather([12])[2].tolist() == [[True]]

@@ -240,10 +240,9 @@ class BlockDrafter:
         if f.states.shape[0] == 0:
             return
         kv = self.backbone.context_kv(f.states.flatten(1)[None], f.positions[None])
-        for r, rid in enumerate(ctx.request_ids):
-            lo, hi = int(f.cu_seqlens[r]), int(f.cu_seqlens[r + 1])
-            if hi > lo:
-                self._contexts.extend(rid, int(f.positions[lo]), [(k[0, lo:hi], v[0, lo:hi]) for k, v in kv])
+        counts = f.cu_seqlens[1:] - f.cu_seqlens[:-1]
+        starts = f.positions[f.cu_seqlens[:-1].clamp(max=len(f.positions) - 1)]  # where each run begins
+        self._contexts.extend_many(ctx.request_ids, starts, counts, [(k[0], v[0]) for k, v in kv])
 
     def _parallel(self, ctx: DraftContext) -> Tensor:
         anchor_pos = torch.tensor([len(h) - 1 for h in ctx.histories], dtype=torch.long)
