@@ -20,6 +20,8 @@ names the key path and the valid choices.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -217,15 +219,35 @@ def compose(sources: list[str], overrides: list[str] | None = None) -> dict[str,
         raise ConfigError([f"cannot merge configs: {exc}".splitlines()[0]]) from None
 
 
-def _pydantic_problems(
-    exc: ValidationError, prefix: str, valid_keys: list[str], owner: str = ""
-) -> list[str]:
-    """One line per pydantic error, with the dotted key path and what would have been valid."""
+def _fields_at(model: type[BaseModel], path: Sequence[str]) -> list[str]:
+    """The fields of the (sub)model a dotted error path points into."""
+    for key in path:
+        field = model.model_fields.get(key)
+        sub = getattr(field, "annotation", None) if field else None
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            break
+        model = sub
+    return list(model.model_fields)
+
+
+def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: Sequence[str] = (), *,
+                        named: bool = False, owner: str = "") -> list[str]:
+    """One line per pydantic error of ``model`` validated under the key path ``prefix``: the dotted
+    key path, and for an unknown key the keys valid at that level (``name`` first when the section
+    is a component's, ``named``).  A validator's :class:`SectionError` reports its own keys."""
     problems = []
     for err in exc.errors():
-        path = ".".join([prefix, *map(str, err["loc"])]) if err["loc"] else prefix
-        if err["type"] == "extra_forbidden":
-            problems.append(f"{path}: unknown key{owner}; valid keys: {', '.join(valid_keys)}")
+        loc = [*prefix, *map(str, err["loc"])]
+        path = ".".join(loc) or "(top level)"
+        nested = (err.get("ctx") or {}).get("error")
+        if isinstance(nested, SectionError):  # a sub-section checked against its own model
+            problems += [f"{'.'.join([*loc, key]) if key else path}: {msg}" for key, msg in nested.problems]
+        elif err["type"] == "extra_forbidden":
+            inner = [str(x) for x in err["loc"]][:-1]
+            valid = _fields_at(model, inner)
+            if named and not inner:
+                valid = ["name", *valid]
+            problems.append(f"{path}: unknown key{owner}; valid keys: {', '.join(valid)}")
         elif err["type"] == "missing":
             problems.append(f"{path}: required key is missing")
         else:
@@ -263,8 +285,7 @@ def _resolve_slot(
     try:
         return ComponentSpec(reg, reg.config.model_validate(params))
     except ValidationError as exc:
-        valid = ["name", *reg.config.model_fields]
-        problems.extend(_pydantic_problems(exc, slot, valid, f" for {kind.label} {name!r}"))
+        problems.extend(validation_problems(exc, reg.config, [slot], named=True, owner=f" for {kind.label} {name!r}"))
         return None
 
 
@@ -286,7 +307,7 @@ def validate_pipeline(
         try:
             sections[key] = model.model_validate(value)
         except ValidationError as exc:
-            problems.extend(_pydantic_problems(exc, key, list(model.model_fields)))
+            problems.extend(validation_problems(exc, model, [key]))
     components: dict[ComponentKind, ComponentSpec | None] = {}
     for kind in ComponentKind:
         value = raw.get(kind.value, DEFAULT_COMPONENTS[kind])

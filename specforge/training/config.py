@@ -20,7 +20,7 @@ from typing import Any, Literal
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from specforge.config import ConfigError, SectionError, TargetConfig, compose
+from specforge.config import ConfigError, TargetConfig, compose, validation_problems
 from specforge.registry import ComponentKind
 
 __all__ = ["PRESETS", "TrainConfig", "TrainConfigError", "load_train_config", "train_preset_names"]
@@ -222,38 +222,6 @@ def train_preset_names() -> list[str]:
     return sorted(PRESETS)
 
 
-def _valid_keys(model: type[BaseModel], path: list[str]) -> list[str]:
-    """The fields of the (sub)model a dotted error path points into."""
-    for key in path:
-        field = model.model_fields.get(key)
-        sub = getattr(field, "annotation", None) if field else None
-        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
-            break
-        model = sub
-    return list(model.model_fields)
-
-
-def _problems(exc: ValidationError, model: type[BaseModel], prefix: list[str]) -> list[str]:
-    problems = []
-    for err in exc.errors():
-        loc = prefix + [str(x) for x in err["loc"]]
-        path = ".".join(loc) or "(top level)"
-        nested = (err.get("ctx") or {}).get("error")
-        if isinstance(nested, SectionError):  # a sub-section checked against its own model
-            problems += [f"{'.'.join([*loc, key]) if key else path}: {msg}" for key, msg in nested.problems]
-        elif err["type"] == "extra_forbidden":
-            inner = [str(x) for x in err["loc"]][:-1]
-            valid = _valid_keys(model, inner)
-            if model is not TrainConfig and not inner:
-                valid = ["name", *valid]
-            problems.append(f"{path}: unknown key; valid keys: {', '.join(valid)}")
-        elif err["type"] == "missing":
-            problems.append(f"{path}: required key is missing")
-        else:
-            problems.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
-    return problems
-
-
 def _resolve_drafter(section: DrafterSection) -> tuple[Any, BaseModel]:
     """The registered training method of ``drafter.name`` and its validated options."""
     from specforge.plugins import get_host
@@ -270,7 +238,7 @@ def _resolve_drafter(section: DrafterSection) -> tuple[Any, BaseModel]:
     try:
         return method, method.config.model_validate(section.options())
     except ValidationError as exc:
-        raise TrainConfigError(_problems(exc, method.config, ["drafter"])) from None
+        raise TrainConfigError(validation_problems(exc, method.config, ["drafter"], named=True)) from None
 
 
 def validate_train_config(raw: dict[str, Any], source: str = "") -> TrainConfig:
@@ -284,13 +252,13 @@ def validate_train_config(raw: dict[str, Any], source: str = "") -> TrainConfig:
     try:
         config = TrainConfig.model_validate(raw)
     except ValidationError as exc:
-        problems += [p for p in _problems(exc, TrainConfig, []) if not p.startswith("drafter.")]
+        problems += [p for p in validation_problems(exc, TrainConfig) if not p.startswith("drafter.")]
     try:
         _, options = _resolve_drafter(DrafterSection.model_validate(TrainConfig._loss_moved(raw).get("drafter") or {}))
     except TrainConfigError as exc:
         problems += exc.problems
     except ValidationError as exc:
-        problems += _problems(exc, DrafterSection, ["drafter"])
+        problems += validation_problems(exc, DrafterSection, ["drafter"], named=True)
     if problems or config is None or options is None:
         raise TrainConfigError(problems, source)
     drafter = DrafterSection.model_validate({"name": config.drafter.name, **options.model_dump(mode="json")})
