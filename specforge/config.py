@@ -21,7 +21,6 @@ names the key path and the valid choices.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
