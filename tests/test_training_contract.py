@@ -200,3 +200,27 @@ def test_the_draft_vocabulary_maps_round_trip_and_refuse_bad_input():
         vocab.check_target(96, "x")
     with pytest.raises(TrainConfigError, match="drafter.draft_vocab: Input should be greater than or equal to 1"):
         load_train_config("quick", ["drafter.draft_vocab=0"])
+
+
+def test_a_vocabulary_too_large_or_for_another_target_is_one_clear_error(target, tmp_path):
+    from specforge.config import load_pipeline
+    from specforge.engine import Engine
+    from specforge.errors import SpecforgeError
+    from specforge.vocab import DraftVocabError
+    from tiny_models import tiny_model
+    from specforge.target.adapter import TargetModel
+
+    with pytest.raises(DraftVocabError, match="drafter.draft_vocab: 96 is not smaller than the target's 96"):
+        Trainer(_config(tmp_path / "big", {"draft_vocab": 96}, steps=1), target=target,
+                source=tiny_source(target), log=lambda _: None)
+    trainer = Trainer(_config(tmp_path / "ok", {"draft_vocab": 16}, steps=1), target=target,
+                      source=tiny_source(target), log=lambda _: None)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    other = TargetModel(tiny_model("llama", vocab=128), None, torch.float32, name="other")
+    sections = trainer.method.pipeline(tmp_path / "ok" / "drafter")
+    with pytest.raises(SpecforgeError, match="trained for a target with vocab_size=96; the bound target has "
+                                             "vocab_size=128"):
+        Engine.from_pipeline(load_pipeline(["default"], sections=sections), other)

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from specforge.components import ComponentWeights, DraftBlock, DraftContext
 from specforge.sampling import sample_with_uniform, warp
 from specforge.vocab import DraftVocab
-from specforge_plugins.drafters.block.checkpoint import load_drafter
+from specforge_plugins.drafters.block.checkpoint import DrafterCheckpointError, load_drafter
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.context import ContextCache
 from specforge_plugins.drafters.block.model import BlockBackbone, SharedWeights
@@ -280,8 +280,8 @@ def _check_fits(c: BlockDrafterConfig, args: Any, where: str | None) -> None:
              "n_kv_heads": args.n_kv_heads, "head_dim": args.head_dim, "n_target_layers": args.n_layers}
     for key, value in pairs.items():
         if getattr(c, key) != value:
-            raise ValueError(f"{where}: trained for a target with {key}={getattr(c, key)}; "
-                             f"the bound target has {key}={value}")
+            raise DrafterCheckpointError(f"{where}: trained for a target with {key}={getattr(c, key)}; "
+                                         f"the bound target has {key}={value}")
 
 
 def _step_on(head: Any, base: Tensor, support: Tensor, prev: Tensor, hidden: Tensor, state: Any) -> tuple[Tensor, Any]:
