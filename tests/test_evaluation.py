@@ -10,13 +10,13 @@ import math
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
 from specforge.engine.request import RequestOutput, RequestStats
 from specforge.evaluation import aggregate, summarize, table
+from child_env import make_child_env
 from tiny_models import tiny_training_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,15 +99,7 @@ def installed_copy(tmp_path_factory):
     copy = root / "specforge-copy"
     shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(
         ".git", ".venv*", "runs", "site", "build", "*.egg-info", "__pycache__", ".pytest_cache"))
-    env = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
-    python = env / "bin" / "python"
-    child_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                check=True, capture_output=True, text=True).stdout.strip()
-    # The child's own site-packages come first on its path, so its installed specforge shadows
-    # the editable one of this environment (added after it for the dependencies).
-    (Path(child_site) / "parent.pth").write_text(
-        f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    python, child_site = make_child_env(root / "venv")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "-q", "install", "--no-deps",
                     "--no-build-isolation", str(copy)], check=True, capture_output=True, text=True)
     where = subprocess.run([str(python), "-c", "import specforge.evalsets as e; print(e.packaged_sets())"],

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import sysconfig
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+from child_env import make_child_env
 from tiny_models import tiny_training_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,17 +36,7 @@ def child_env(tmp_path):
     if _installed_here():
         pytest.skip("specforge-example-plugin is installed in this environment; "
                     "uninstall it to test a clean install/uninstall round trip")
-    env = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
-    python = env / "bin" / "python"
-    child_site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()
-    # Let the child see this environment's packages (specforge, torch, pytest ...).  addsitedir
-    # also runs the parent's .pth files, which an editable install of specforge relies on.
-    parent = sysconfig.get_paths()["purelib"]
-    (Path(child_site) / "parent.pth").write_text(f"import site; site.addsitedir({parent!r})\n")
+    python, _ = make_child_env(tmp_path / "venv")
     return python
 
 

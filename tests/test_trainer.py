@@ -20,27 +20,20 @@ from specforge.training.config import TrainConfigError, load_train_config
 from specforge.training.data import OfflineSource
 from specforge.training.trainer import Trainer, lr_at
 
-from train_fixtures import LAYERS, tiny_config, tiny_sequences, tiny_source, tiny_target
+from train_fixtures import (  # noqa: F401 - one_thread and target are fixtures
+    LAYERS,
+    one_thread,
+    target,
+    tiny_config,
+    tiny_sequences,
+    tiny_source,
+)
 
 HERE = Path(__file__).parent
 # Relative tolerance of torchrun's per-step losses against one process: the two ranks' partial
 # sums and differently padded batches only reorder float32 additions (measured ≲ 1e-6).
 DIST_RTOL = 1e-5
 LOSS_KEYS = ("loss", "ce", "tv", "conf", "tau", "accept_rate@1", "accept_rate@4")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls gain nothing from a second thread, and on a busy machine lose to contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
 
 
 @pytest.fixture(scope="module")

@@ -17,25 +17,12 @@ from specforge.plugins import get_host
 from specforge.training.config import TrainConfig, TrainConfigError, load_train_config
 from specforge.training.trainer import Trainer
 
-from train_fixtures import tiny_config, tiny_source, tiny_target
+from train_fixtures import one_thread, target, tiny_config, tiny_source  # noqa: F401 - fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "data" / "training-golden"
 # Same code path, same seeds: only float summation order may differ between CPUs (AMX or not).
 RTOL = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
 
 
 def _config(tmp_path: Path, drafter: dict, steps: int) -> TrainConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -23,6 +24,20 @@ from specforge.training.data import MemorySource  # noqa: E402
 
 LAYERS = [0, 2]
 VOCAB = 96
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from a second thread, and on a busy machine lose to contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return tiny_target()
 
 
 def tiny_target() -> TargetModel:
