@@ -17,6 +17,7 @@ The maps follow EAGLE-3's convention, which vLLM and SGLang load:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -86,16 +87,22 @@ class DraftVocab:
         """``[N]`` int64 offsets: target id = draft id + d2t[draft id]."""
         return self.ids - torch.arange(self.size, dtype=torch.long)
 
-    @property
+    @cached_property
     def t2d(self) -> Tensor:
         """``[V]`` bool: the target id is in the draft vocabulary."""
         return torch.zeros(self.target_size, dtype=torch.bool).index_fill_(0, self.ids, True)
 
+    @cached_property
+    def _draft_index(self) -> Tensor:
+        # Built once: training maps every step's labels through it.
+        index = torch.full((self.target_size,), -1, dtype=torch.long)
+        index[self.ids] = torch.arange(self.size, dtype=torch.long)
+        return index
+
     def to_draft(self, target_ids: Tensor, outside: int = -1) -> Tensor:
         """Draft ids of ``target_ids`` (any shape); ``outside`` where a token is not in the vocabulary."""
-        index = torch.full((self.target_size,), outside, dtype=torch.long)
-        index[self.ids] = torch.arange(self.size, dtype=torch.long)
-        return index.to(target_ids.device)[target_ids.clamp(0, self.target_size - 1)]
+        ids = self._draft_index.to(target_ids.device)[target_ids.clamp(0, self.target_size - 1)]
+        return ids if outside == -1 else ids.masked_fill(ids < 0, outside)
 
     def token_rows(self) -> Tensor:
         """``[V]`` int64: the draft id of every target id, N for one outside the vocabulary — the
