@@ -10,13 +10,15 @@ process (two writers never share one); :func:`remove_leftovers` clears what a ki
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["fsync", "remove_leftovers", "replace_atomically", "temporary_path", "write_atomic"]
+__all__ = ["file_problem", "file_record", "fsync", "remove_leftovers", "replace_atomically", "sha256_file",
+           "temporary_path", "write_atomic"]
 
 LEFTOVERS = ".*.tmp*"  # matches every temporary_path() in a directory
 
@@ -120,3 +122,37 @@ def _link_into_place(tmp: Path, path: Path) -> None:
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
         os.replace(tmp, path)
     fsync(path.parent)
+
+
+# -- integrity records: what a manifest says about a file, and what is wrong with it now ---------
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_record(path: str | os.PathLike) -> dict[str, int | str]:
+    """``{"bytes", "sha256"}`` of a file, as manifests (checkpoints, drafters) record it."""
+    return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
+
+
+def file_problem(path: str | os.PathLike, record: dict, manifest: str, name: str | None = None) -> str | None:
+    """What is wrong with ``path`` against its ``record`` (from :func:`file_record`, kept in
+    ``manifest``), in words naming the file (as ``name``, default its path); None when intact."""
+    path = Path(path)
+    name = name or str(path)
+    if not path.is_file():
+        return f"{name} is missing"
+    size = path.stat().st_size
+    if size < record["bytes"]:
+        return f"{name} is truncated ({size} of {record['bytes']} bytes)"
+    if size != record["bytes"]:
+        return f"{name} has {size} bytes, {manifest} says {record['bytes']}"
+    if sha256_file(path) != record["sha256"]:
+        return f"{name} is corrupt (its sha256 differs from the one recorded in {manifest})"
+    return None

@@ -4,6 +4,8 @@ confidence head, losses and checkpoints — pure modules on tiny dimensions (d=3
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from specforge_plugins.drafters.block import (
     block_attention_mask,
     default_tap_layers,
 )
-from specforge_plugins.drafters.block.checkpoint import load_drafter, save_drafter
+from specforge_plugins.drafters.block.checkpoint import DrafterCheckpointError, load_drafter, save_drafter
 from specforge_plugins.heads import HEADS, HeadConfig
 
 D, V, GAMMA, L = 32, 40, 4, 8
@@ -333,6 +335,31 @@ def test_checkpoint_round_trip(tmp_path, head_name, embedding):
     assert torch.equal(conf.estimate(blk), c2.estimate(blk))
     if embedding == "head":
         assert c2.table is h2.w1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path, damage):
+    save_drafter(tmp_path / "ck", BlockBackbone(config(), shared(), seed=7))
+    weights = tmp_path / "ck" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "truncate":
+        weights.write_bytes(bytes(data[: len(data) // 2]))
+    else:  # one bit inside a tensor: safetensors alone would load it silently
+        data[-5] ^= 0x10
+        weights.write_bytes(bytes(data))
+    word = "truncated" if damage == "truncate" else "corrupt"
+    with pytest.raises(DrafterCheckpointError, match=rf"{re.escape(str(weights))} is {word}"):
+        load_drafter(tmp_path / "ck")
+
+
+def test_shipped_names_resolve_inside_the_package_and_unknown_ones_list_the_shipped():
+    from specforge_plugins.drafters.shipped import resolve_checkpoint, shipped_drafters
+
+    assert resolve_checkpoint("runs/quick/drafter") == Path("runs/quick/drafter")
+    for name, path in shipped_drafters().items():
+        assert resolve_checkpoint(f"shipped:{name}") == path and (path / "MODEL_CARD.md").is_file()
+    with pytest.raises(DrafterCheckpointError, match=r"shipped:nope: no such shipped drafter; shipped: "):
+        load_drafter("shipped:nope")
 
 
 def test_dspark_components_are_registered_through_the_shipped_plugins():

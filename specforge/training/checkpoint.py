@@ -18,7 +18,6 @@ deleted, when a new checkpoint of the same step replaces it).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
@@ -35,7 +34,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from specforge.errors import SpecforgeError
-from specforge.files import fsync, remove_leftovers, replace_atomically
+from specforge.files import file_problem, file_record, fsync, remove_leftovers, replace_atomically
 
 __all__ = ["Checkpoint", "CheckpointError", "checkpoint_problem", "find_checkpoints", "latest_checkpoint",
            "optimizer_from_tensors", "optimizer_to_tensors", "read_checkpoint", "rng_restore", "rng_state",
@@ -48,14 +47,6 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 
 class CheckpointError(SpecforgeError, RuntimeError):
     """A checkpoint that cannot be used, with what is wrong in words."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # -- optimizer and RNG state as tensors + JSON -------------------------------------------------
@@ -142,7 +133,7 @@ def write_checkpoint(root: Path, step: int, write_drafter: Any, optimizer_tensor
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             fsync(path)
-            files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            files[path.relative_to(tmp).as_posix()] = file_record(path)
         meta = {"format": FORMAT, "version": VERSION, "step": step, "time": time.time(), **state,
                 "rng": rng_meta, "files": files}
         (tmp / STATE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -181,16 +172,8 @@ def checkpoint_problem(path: Path) -> str | None:
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         return f"{STATE} is not a {FORMAT} v{VERSION} file"
     for rel, info in meta.get("files", {}).items():
-        f = path / rel
-        if not f.is_file():
-            return f"{rel} is missing"
-        size = f.stat().st_size
-        if size < info["bytes"]:
-            return f"{rel} is truncated ({size} of {info['bytes']} bytes)"
-        if size != info["bytes"]:
-            return f"{rel} has {size} bytes, {STATE} says {info['bytes']}"
-        if _sha256(f) != info["sha256"]:
-            return f"{rel} is corrupt (sha256 differs from the one recorded in {STATE})"
+        if (problem := file_problem(path / rel, info, STATE, name=rel)) is not None:
+            return problem
     return None
 
 

@@ -302,7 +302,8 @@ class Trainer:
             self.epoch, self.batch_index = self.epoch + 1, 0
         dt = time.perf_counter() - t0
         return {"split": "train", "step": self.step, "epoch": epoch, "lr": lr, **metrics,
-                "grad_norm": grad_norm, "tokens_per_s": metrics["tokens"] / dt, "step_time": dt}
+                "grad_norm": grad_norm, "tokens_per_s": metrics["tokens"] / dt, "step_time": dt,
+                "threads": torch.get_num_threads()}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any] | None:
@@ -337,6 +338,7 @@ class Trainer:
                     ev = self.evaluate()
                     if ev is not None:
                         self._record(ev)
+                        self._plot_curve()
                 if self.step % c.output.checkpoint_interval == 0 or self.step == self.total_steps:
                     self.save_checkpoint()
         finally:
@@ -351,6 +353,14 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             with open(self.out_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
+
+    def _plot_curve(self) -> None:
+        """``learning-curve.png`` beside metrics.jsonl, redrawn at every evaluation."""
+        if self.dist.is_main:
+            from specforge.training.curve import learning_curve, plot_learning_curve
+
+            plot_learning_curve(learning_curve(self.history), self.out_dir / "learning-curve.png",
+                                title=f"{self.config.drafter.name} on {self.config.target.model}")
 
     # -- checkpoints ----------------------------------------------------------------------------
 

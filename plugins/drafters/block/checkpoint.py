@@ -4,11 +4,14 @@ Layout of a checkpoint directory::
 
     config.json        {"format", "version", "method", "target",
                         "backbone": {...}, "head": {"name", "config"} | null,
-                        "confidence": {"name", "config"} | null, "drafter": {...}}
+                        "confidence": {"name", "config"} | null, "drafter": {...},
+                        "files": {"model.safetensors": {"bytes", "sha256"}}}
     model.safetensors  "backbone.*", "head.*", "confidence.*" tensors, and with a draft vocabulary
                        "vocab.d2t" / "vocab.t2d" (EAGLE-3's maps, see specforge.vocab)
 
-The target's shared embedding and LM head are not in it (they are the target's).  A confidence
+The weights' size and sha256 are checked on every load, so a truncated or corrupted file is one
+clear error naming it (checkpoints written before the record existed load unchecked).  The target's
+shared embedding and LM head are not in it (they are the target's).  A confidence
 head tied to the correction head's W1 has no table of its own and is re-tied on load.
 """
 
@@ -23,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specforge.errors import SpecforgeError
+from specforge.files import file_problem, file_record
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.model import BlockBackbone
@@ -80,6 +84,7 @@ def save_drafter(directory: str | Path, backbone: BlockBackbone, head: nn.Module
             tensors.update({f"{prefix}.{k}": v.detach().cpu().contiguous() for k, v in module.state_dict().items()})
     # Weights first, config last: a directory with a config.json always has its weights.
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": FORMAT})
+    meta["files"] = {WEIGHTS: file_record(directory / WEIGHTS)}
     (directory / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
     return directory
 
@@ -87,10 +92,13 @@ def save_drafter(directory: str | Path, backbone: BlockBackbone, head: nn.Module
 def load_drafter(directory: str | Path) -> tuple[BlockBackbone, nn.Module | None, nn.Module | None, dict[str, Any]]:
     """Read a checkpoint written by :func:`save_drafter`.
 
-    Returns ``(backbone, head, confidence, drafter_config)``; the backbone still needs
+    ``directory`` may name a shipped drafter (``shipped:<name>``).  Returns
+    ``(backbone, head, confidence, drafter_config)``; the backbone still needs
     ``bind(SharedWeights.from_target(target))`` before it runs.
     """
-    directory = Path(directory)
+    from specforge_plugins.drafters.shipped import resolve_checkpoint
+
+    directory = resolve_checkpoint(directory)
     try:
         meta = json.loads((directory / CONFIG).read_text())
     except FileNotFoundError:
@@ -101,6 +109,9 @@ def load_drafter(directory: str | Path) -> tuple[BlockBackbone, nn.Module | None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise DrafterCheckpointError(f"{directory}: not a {FORMAT} v{VERSION} checkpoint "
                                      f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
+    for name, record in meta.get("files", {}).items():
+        if (problem := file_problem(directory / name, record, str(directory / CONFIG))) is not None:
+            raise DrafterCheckpointError(f"{problem}; train or export it again (a shipped drafter: reinstall specforge)")
     try:
         tensors = load_file(str(directory / WEIGHTS))
     except (OSError, SafetensorError) as exc:
