@@ -264,23 +264,28 @@ def _eval_settings(args: argparse.Namespace, **more: Any):
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """τ, per-position acceptance and speedup of a pipeline on prompt sets."""
-    from specforge.evaluation import evaluate, save, table
+    from specforge.evaluation import comparison_table, evaluate, save, table
+    from specforge.main_job import parse_arms
 
     pipeline = load_pipeline(args.config or ["dspark"], args.overrides)
     settings = _eval_settings(args, concurrency=args.concurrency, speedup=not args.no_speedup, seed=args.seed)
-    result = evaluate(pipeline, settings)
+    result = evaluate(pipeline, settings, compare=parse_arms(args.compare or []))
     json_path, png_path = save(result, args.out)
-    print(json.dumps(result, indent=2) if args.json else table(result))
+    print(json.dumps(result, indent=2) if args.json else
+          table(result) + ("\n\n" + comparison_table(result) if "compare" in result else ""))
     print(f"wrote {json_path} and {png_path}", file=sys.stderr)
     return EXIT_OK
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """The main job: regenerate data with the target, train DSpark, evaluate; resumable."""
-    from specforge.evaluation import table
+    from specforge.evaluation import comparison_table, table
     from specforge.main_job import run_main_job
 
-    result = run_main_job(args.config or ["quick"], args.overrides, _eval_settings(args))
+    from specforge.main_job import DEFAULT_COMPARE
+
+    compare = [] if args.no_compare else (args.compare or list(DEFAULT_COMPARE))
+    result = run_main_job(args.config or ["quick"], args.overrides, _eval_settings(args), compare=compare)
     if args.json:
         print(json.dumps(result, indent=2))
         return EXIT_OK
@@ -290,6 +295,9 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"final train loss {tr['train'].get('loss', float('nan')):.3f}"
           + (f", held-out τ̂ {tr['held_out']['tau']:.2f}" if "tau" in tr.get("held_out", {}) else ""))
     print(table(result))
+    if "compare" in result:
+        print("\nSame prompts, same run — τ and speedup over plain decoding of every arm:")
+        print(comparison_table(result, label="trained"))
     secs = job["seconds"]
     print(f"time: data {secs['data_s']:.0f} s, training {secs['training_s']:.0f} s, evaluation {secs['eval_s']:.0f} s; "
           f"plot {job['output_dir']}/eval/acceptance.png")
@@ -311,6 +319,9 @@ def _add_eval_options(p: argparse.ArgumentParser, prompts: int, max_new_tokens: 
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens per answer")
     p.add_argument("--eval-dir", default=None, metavar="DIR",
                    help="folder of the named prompt sets (default: the sets shipped with specforge)")
+    p.add_argument("--compare", action="append", metavar="[LABEL=]CONFIG[+CONFIG]",
+                   help="also measure this pipeline (preset or YAML; repeatable) on the same prompts in the "
+                        "same run, against the same plain baseline")
 
 
 # --- the parser: one function per built-in sub-command --------------------------------------------
@@ -492,6 +503,8 @@ def _add_run(sub) -> None:
     rn.add_argument("--config", action="append", metavar="FILE|PRESET",
                     help="training config (presets: quick, medium, full; default: quick)")
     _add_eval_options(rn, prompts=3, max_new_tokens=96)
+    rn.add_argument("--no-compare", action="store_true",
+                    help="measure only the trained drafter (default: also ngram and the shipped drafter)")
     rn.add_argument("--json", action="store_true", help="print the JSON result")
     rn.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides")
     rn.set_defaults(func=cmd_run)

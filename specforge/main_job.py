@@ -6,7 +6,9 @@
    drafter (backbone, Markov head, confidence head) is trained on them.
 3. *Evaluation.*  The trained drafter decodes prompts from each eval set at T = 0 and T = 1, and
    plain decoding of the same target decodes the same prompts in the same run: τ, acceptance per
-   position and the speedup.
+   position and the speedup.  Beside it, in the same run, the comparison arms (by default
+   ``ngram`` and the drafter shipped for the embedded target, the ``dspark`` preset) — arms for
+   another target than the trained one are left out with a note.
 
 Every stage leaves its output under ``output.dir`` and is resumed or reused by the next call:
 regeneration continues at its first missing shard, the feature cache is reused when its
@@ -32,7 +34,11 @@ from typing import Any
 
 from specforge.errors import SpecforgeError
 
-__all__ = ["MainJobError", "drafter_fingerprint", "run_main_job"]
+__all__ = ["DEFAULT_COMPARE", "MainJobError", "drafter_fingerprint", "parse_arms", "run_main_job"]
+
+# What a user compares a freshly trained drafter with: prompt lookup (no training) and the
+# drafter shipped for the embedded target.
+DEFAULT_COMPARE = ("ngram", "shipped=dspark")
 
 
 class MainJobError(SpecforgeError):
@@ -74,7 +80,21 @@ def drafter_fingerprint(directory: Path) -> str:
     return h.hexdigest()
 
 
-def _reusable(path: Path, fingerprint: str, settings: dict[str, Any], pipeline: dict[str, Any]) -> dict | None:
+def parse_arms(specs: Sequence[str]) -> dict[str, Any]:
+    """``[LABEL=]CONFIG[+CONFIG…]`` → ``{label: PipelineConfig}``; CONFIG is a preset name or a YAML
+    file, the label defaults to the last one's name."""
+    from specforge.config import load_pipeline
+
+    arms = {}
+    for spec in specs:
+        label, _, sources = spec.rpartition("=")
+        parts = sources.split("+")
+        arms[label or Path(parts[-1]).stem] = load_pipeline(parts)
+    return arms
+
+
+def _reusable(path: Path, fingerprint: str, settings: dict[str, Any], pipeline: dict[str, Any],
+              compare: dict[str, Any]) -> dict | None:
     if not path.is_file():
         return None
     try:
@@ -83,16 +103,18 @@ def _reusable(path: Path, fingerprint: str, settings: dict[str, Any], pipeline: 
         return None
     meta = old.get("main_job", {})
     if (meta.get("drafter_sha256") == fingerprint and old.get("settings") == settings
-            and old.get("pipeline") == pipeline):
+            and old.get("pipeline") == pipeline
+            and {k: v["pipeline"] for k, v in old.get("compare", {}).items()} == compare):
         return old
     return None
 
 
 def run_main_job(train_sources: Sequence[str] = ("quick",), overrides: Sequence[str] = (),
                  eval_settings: Any = None, eval_overrides: Sequence[str] = (),
-                 say: Callable[[str], None] = _say) -> dict[str, Any]:
+                 say: Callable[[str], None] = _say, compare: Sequence[str] = DEFAULT_COMPARE) -> dict[str, Any]:
     """Run (or resume) the three stages; returns the evaluation result with a ``main_job`` section
-    (stage timings, the training summary, where everything is)."""
+    (stage timings, the training summary, where everything is).  ``compare``: pipelines measured
+    beside the trained drafter (:func:`parse_arms`)."""
     from specforge.config import load_pipeline
     from specforge.evaluation import EvalSettings, evaluate, save
     from specforge.training import Trainer, load_train_config
@@ -140,12 +162,20 @@ def run_main_job(train_sources: Sequence[str] = ("quick",), overrides: Sequence[
         # The default pipeline, with the sections the training method says serve its drafter.
         sections = {**serving, "target": {"model": config.target.model, "dtype": config.target.dtype}}
         pipeline = load_pipeline(["default"], list(eval_overrides), sections=sections)
+        arms = {}
+        for label, arm in parse_arms(compare).items():
+            if (arm.target.model, arm.target.dtype) != (pipeline.target.model, pipeline.target.dtype):
+                say(f"comparison arm {label!r} left out: it serves {arm.target.model}, this run trained for "
+                    f"{pipeline.target.model}")
+            else:
+                arms[label] = arm
         fingerprint = drafter_fingerprint(out / "drafter")
-        result = _reusable(eval_dir / "eval.json", fingerprint, settings.to_dict(), pipeline.to_dict())
+        result = _reusable(eval_dir / "eval.json", fingerprint, settings.to_dict(), pipeline.to_dict(),
+                           {k: v.to_dict() for k, v in arms.items()})
         if result is not None:
             say(f"reusing {eval_dir / 'eval.json'} (same drafter, same settings)")
         else:
-            result = evaluate(pipeline, settings, target=target)
+            result = evaluate(pipeline, settings, target=target, compare=arms)
             result["main_job"] = {"drafter_sha256": fingerprint}
         timings["eval_s"] = time.perf_counter() - t2
         result["main_job"].update({"output_dir": str(out), "training": train_summary, "seconds": timings,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from specforge.engine.request import RequestOutput, RequestStats
-from specforge.evaluation import aggregate, summarize, table
+from specforge.evaluation import aggregate, comparison_table, summarize, table
 from child_env import make_child_env
 from tiny_models import tiny_training_files
 
@@ -69,6 +69,20 @@ def test_the_table_shows_draft_vocabulary_coverage_when_there_is_one():
     assert "vocab %" not in table({"results": [plain], "summary": {}})
 
 
+def test_the_comparison_table_puts_every_arm_beside_the_evaluated_one():
+    def rows(tau, speedup):
+        return [{"dataset": "a", "temperature": t, "tau": tau, "acceptance": [], "speedup": speedup,
+                 "ar_tok_s": 8.0} for t in (0.0, 1.0)]
+
+    result = {"results": rows(2.0, 1.5), "summary": summarize(rows(2.0, 1.5)),
+              "compare": {"ngram": {"results": rows(1.25, 0.9), "summary": summarize(rows(1.25, 0.9))}}}
+    lines = comparison_table(result, label="trained").splitlines()
+    assert lines[0].split() == ["dataset", "T", "plain", "tok/s", "trained", "τ", "trained", "×plain",
+                                "ngram", "τ", "ngram", "×plain"]
+    assert lines[2].split() == ["a", "0", "8.0", "2.00", "1.50", "1.25", "0.90"]
+    assert lines[-1].split() == ["mean", "(T=1)", "2.00", "1.50", "1.25", "0.90"]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A tiny checkpoint, conversations, eval prompts and a main-job config with regeneration."""
@@ -86,6 +100,9 @@ def tiny_run(tmp_path_factory):
         "batch: {sequences: 4, anchors: 4}\n"
         f"output: {{dir: '{root / 'run'}', checkpoint_interval: 2, progress: false}}\n"
         "device: cpu\n")
+    lookup = root / "lookup.yaml"  # a comparison arm on the same tiny target
+    lookup.write_text(f"target: {{model: '{model}', dtype: float32}}\n"
+                      "drafter: {name: ngram, gamma: 3}\nscheduler: {name: fixed}\nverifier: {name: rejection}\n")
     return root, cfg, prompts
 
 
@@ -114,7 +131,8 @@ def test_main_job_runs_anywhere_every_stage_then_reuses_them(tiny_run, installed
     python, cwd = installed_copy
     root, cfg, _ = tiny_run
     cmd = [str(python), "-m", "specforge", "run", "--config", str(cfg), "--dataset", "gsm8k",
-           "--dataset", "mt-bench", "--prompts", "2", "--max-new-tokens", "6", "--temperature", "0", "1"]
+           "--dataset", "mt-bench", "--prompts", "2", "--max-new-tokens", "6", "--temperature", "0", "1",
+           "--compare", f"lookup={root / 'lookup.yaml'}", "--compare", "shipped=dspark"]
     first = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
     assert first.returncode == 0, first.stderr[-3000:]
     run = root / "run"
@@ -131,6 +149,14 @@ def test_main_job_runs_anywhere_every_stage_then_reuses_them(tiny_run, installed
     assert result["main_job"]["training"]["train"]["step"] == 4
     assert set(result["main_job"]["seconds"]) == {"data_s", "training_s", "eval_s"}
     assert "τ" in first.stdout and "mean (T=0)" in first.stdout
+    # The comparison arm decoded the same prompts against the same plain baseline; the arm for
+    # another target (the shipped SmolLM2 drafter) was left out with a note.
+    arm = result["compare"]["lookup"]["results"]
+    assert [(r["dataset"], r["temperature"]) for r in arm] == [(r["dataset"], r["temperature"]) for r in result["results"]]
+    for mine, theirs in zip(result["results"], arm):
+        assert theirs["requests"] == 2 and theirs["tau"] >= 1.0 and theirs["ar_tok_s"] == mine["ar_tok_s"]
+    assert "shipped" not in result["compare"] and "comparison arm 'shipped' left out" in first.stderr
+    assert "lookup τ" in first.stdout and "trained ×plain" in first.stdout
 
     second = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
     assert second.returncode == 0, second.stderr[-3000:]

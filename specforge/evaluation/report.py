@@ -9,7 +9,7 @@ from typing import Any
 
 from specforge.files import write_atomic
 
-__all__ = ["acceptance_plot", "save", "table"]
+__all__ = ["acceptance_plot", "comparison_table", "save", "table"]
 
 
 def _f(value: Any, spec: str = ".2f") -> str:
@@ -37,7 +37,28 @@ def table(result: dict[str, Any]) -> str:
     for key, s in result.get("summary", {}).items():
         lines.append([f"mean ({key})", "", _f(s["tau"]), *[""] * width, "", "", _f(s.get("speedup")), "",
                       *([""] if coverage else [])])
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    return _layout(lines)
+
+
+def comparison_table(result: dict[str, Any], label: str = "evaluated") -> str:
+    """Every arm of a run side by side (``label`` names the evaluated pipeline, the others are
+    ``result["compare"]``): plain tokens/s, then τ and speedup over plain decoding per arm."""
+    arms = {label: result["results"], **{name: arm["results"] for name, arm in result.get("compare", {}).items()}}
+    head = ["dataset", "T", "plain tok/s"] + [f"{name} {col}" for name in arms for col in ("τ", "×plain")]
+    lines = [head]
+    for i, r in enumerate(result["results"]):
+        lines.append([r["dataset"], _f(r["temperature"], "g"), _f(r.get("ar_tok_s"), ".1f"),
+                      *[c for rows in arms.values() for c in (_f(rows[i]["tau"]), _f(rows[i].get("speedup")))]])
+    summaries = {label: result.get("summary", {}),
+                 **{name: arm["summary"] for name, arm in result.get("compare", {}).items()}}
+    for key in result.get("summary", {}):
+        lines.append([f"mean ({key})", "", "", *[c for s in summaries.values()
+                                                for c in (_f(s[key]["tau"]), _f(s[key].get("speedup")))]])
+    return _layout(lines)
+
+
+def _layout(lines: list[list[Any]]) -> str:
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(lines[0]))]
     text = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(text)

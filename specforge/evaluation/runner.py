@@ -14,6 +14,11 @@ engine's per-request counters:
 * latency shares — the round's wall time split by phase (draft, target pass, verify, commit),
   and, for block drafters, the sequential correction head's part of the draft.
 
+Other pipelines can be measured in the same run (``compare``: e.g. ``ngram`` and a shipped
+drafter beside the one just trained): every arm decodes the same prompts, one after the other
+for each set and temperature, against the one plain baseline — so their speedups share a
+denominator and a machine state.
+
 Requests are seeded (``seed + i``), so a run is reproducible up to timing.
 """
 
@@ -22,7 +27,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -102,63 +107,97 @@ def _phase_shares(engine: Engine, head_seconds: float) -> dict[str, float]:
     return shares
 
 
-def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = None) -> dict[str, Any]:
-    """Measure ``pipeline`` on ``settings``; returns a JSON-ready dict (see the module docstring)."""
+def _row(name: str, temperature: float, outs: list[RequestOutput], seconds: float) -> dict[str, Any]:
+    row = {"dataset": name, "temperature": float(temperature), **aggregate(outs), "seconds": seconds}
+    row["tok_s"] = row["new_tokens"] / seconds if seconds > 0 else math.nan
+    return row
+
+
+def _coverage(drafter: Any, outputs: list[RequestOutput]) -> float | None:
+    """Share of what the target wrote that the drafter could have proposed (None: no draft vocabulary)."""
+    vocab = getattr(drafter, "draft_vocab", None)
+    if vocab is None:
+        return None
+    return vocab.coverage(torch.tensor([t for o in outputs for t in o.token_ids], dtype=torch.long))
+
+
+def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = None,
+             compare: Mapping[str, PipelineConfig] | None = None) -> dict[str, Any]:
+    """Measure ``pipeline`` (and every pipeline of ``compare``, by name, in the same run and
+    against the same plain baseline) on ``settings``; returns a JSON-ready dict (see the module
+    docstring): ``results`` and ``summary`` of ``pipeline``, and under ``compare`` each other
+    arm's ``pipeline``, ``results`` and ``summary``."""
     from tqdm.auto import tqdm
 
     from specforge.target import TargetModel
 
-    if pipeline.component("drafter") is None:
-        raise ConfigError(["drafter.name: the pipeline has no drafter, so there is nothing to evaluate"])
+    compare = dict(compare or {})
+    for name, p in {"": pipeline, **compare}.items():
+        where = f"compare.{name}." if name else ""
+        if p.component("drafter") is None:
+            raise ConfigError([f"{where}drafter.name: the pipeline has no drafter, so there is nothing to evaluate"])
+        if (p.target.model, p.target.dtype) != (pipeline.target.model, pipeline.target.dtype):
+            raise ConfigError([f"{where}target: {p.target.model} ({p.target.dtype}) differs from the evaluated "
+                               f"pipeline's {pipeline.target.model} ({pipeline.target.dtype}); arms share one target"])
     prompt_sets = settings.prompt_sets()
     target = target or TargetModel.load(pipeline.target.model, pipeline.target.dtype, pipeline.target.compile,
                                            pipeline.target.weights)
     limits = EngineConfig(max_batch=settings.concurrency, max_context=pipeline.engine.max_context)
     spec = Engine.from_pipeline(replace(pipeline, engine=limits), target)
+    arms = {name: Engine.from_pipeline(replace(p, engine=limits), target) for name, p in compare.items()}
     plain = Engine(target, pipeline.component("verifier").create(), engine=limits) if settings.speedup else None
     drafter = spec.drafter
-    results = []
+    results: list[dict[str, Any]] = []
+    arm_rows: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
     jobs = [(name, t) for name in settings.datasets for t in settings.temperatures]
     bar = tqdm(jobs, desc="eval", unit="set", disable=not settings.progress, file=sys.stderr)
     warmed = False
     for name, temperature in bar:
         bar.set_postfix_str(f"{name} T={temperature:g}")
         prompts = prompt_sets[name]
+        dataset = prompts[0].dataset if prompts else str(name)
         ids = [apply_chat_template(target.tokenizer, p.text) for p in prompts]
+        engines = [e for e in (spec, *arms.values(), plain) if e is not None]
         if not warmed:  # first-call allocations and kernel selection, untimed
-            for engine in (spec, plain):
-                if engine is not None:
-                    engine.generate(_requests(ids[:1], temperature, settings, max_new_tokens=8))
+            for engine in engines:
+                engine.generate(_requests(ids[:1], temperature, settings, max_new_tokens=8))
             warmed = True
-        for engine in (spec, plain):
-            if engine is not None:
-                engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
+        for engine in engines:
+            engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
         head_before = getattr(drafter, "head_seconds", 0.0)
         outs, seconds = _timed(spec, _requests(ids, temperature, settings))
         head = getattr(drafter, "head_seconds", 0.0) - head_before
-        row = {"dataset": prompts[0].dataset if prompts else str(name), "temperature": float(temperature),
-               **aggregate(outs), "seconds": seconds}
-        row["tok_s"] = row["new_tokens"] / seconds if seconds > 0 else math.nan
+        row = _row(dataset, temperature, outs, seconds)
         row["latency_share"] = _phase_shares(spec, head)
+        others = {arm: _row(dataset, temperature, *_timed(e, _requests(ids, temperature, settings)))
+                  for arm, e in arms.items()}
         written = outs
         if plain is not None:
             ar, ar_seconds = _timed(plain, _requests(ids, temperature, settings))
+            ar_tok_s = sum(len(o.token_ids) for o in ar) / ar_seconds if ar_seconds > 0 else math.nan
+            for r in (row, *others.values()):
+                r["ar_tok_s"] = ar_tok_s
+                r["speedup"] = r["tok_s"] / ar_tok_s if ar_tok_s else math.nan
             row["ar_new_tokens"] = sum(len(o.token_ids) for o in ar)
-            row["ar_tok_s"] = row["ar_new_tokens"] / ar_seconds if ar_seconds > 0 else math.nan
-            row["speedup"] = row["tok_s"] / row["ar_tok_s"] if row["ar_tok_s"] else math.nan
             written = ar
-        vocab = getattr(drafter, "draft_vocab", None)
-        if vocab is not None:  # share of what the target wrote that the drafter could have proposed
-            row["vocab_coverage"] = vocab.coverage(torch.tensor([t for o in written for t in o.token_ids],
-                                                                dtype=torch.long))
+        if (cov := _coverage(drafter, written)) is not None:
+            row["vocab_coverage"] = cov
+        for arm, r in others.items():
+            if (cov := _coverage(arms[arm].drafter, written)) is not None:
+                r["vocab_coverage"] = cov
+            arm_rows[arm].append(r)
         results.append(row)
-    return {
+    out = {
         "pipeline": pipeline.to_dict(),
         "settings": settings.to_dict(),
         "gamma": getattr(drafter, "gamma", None),
         "results": results,
         "summary": summarize(results),
     }
+    if compare:
+        out["compare"] = {arm: {"pipeline": compare[arm].to_dict(), "gamma": getattr(arms[arm].drafter, "gamma", None),
+                                "results": rows, "summary": summarize(rows)} for arm, rows in arm_rows.items()}
+    return out
 
 
 def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
