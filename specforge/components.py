@@ -15,8 +15,9 @@ tensors: ``draft_tokens[r, k]`` is x_{k+1} of request ``r``.
 **One owner, one lifecycle.**  The engine owns every component of a pipeline and is the only
 caller of the steps below, in this order; no component hands another one around.
 
-1. ``bind(target)`` — each component that has it is sized from the target (vocabulary, hidden
-   size, depth) and takes the target's frozen tensors it reads.
+1. ``bind(target)`` — each component that has it (any kind) is sized from the target (vocabulary,
+   hidden size, depth) and takes the target's frozen tensors it reads; a hardware-aware
+   scheduler reads the target's step curve on this machine.
 2. *Weights* — a drafter whose checkpoint also trained other components of the round lists them
    in ``companion_weights()`` (:class:`ComponentWeights` per pipeline slot); the engine gives each
    to that slot's component through its ``load_weights``.  A slot whose component is of another
@@ -125,7 +126,11 @@ class Verifier(Protocol):
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """Chooses how many drafted tokens of each request the target verifies this round."""
+    """Chooses how many drafted tokens of each request the target verifies this round.
+
+    Optional lifecycle method (module docstring): ``bind(target)``, e.g. to read the target's step
+    curve on this machine.
+    """
 
     def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
         """Return ``[R]`` int64 verify lengths ℓ_r with 0 ≤ ℓ_r ≤ available_r.

@@ -26,6 +26,7 @@ below SPS(32) = 18.4, and ``ngram-hw`` then speculated at 16 requests for 0.68x 
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -39,7 +40,8 @@ from specforge.hardware import HardwareProfile
 from specforge.target import TargetModel
 from specforge.target.batch import VarlenBatch
 
-__all__ = ["DEFAULT_BATCHES", "measure_sps", "non_increasing", "plot_profile", "profile_table", "split_tokens"]
+__all__ = ["DEFAULT_BATCHES", "machine_profile", "measure_sps", "non_increasing", "plot_profile", "profile_table",
+           "split_tokens"]
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -141,6 +143,42 @@ def measure_sps(
                for (b, r, _, _), m, f in zip(passes, medians, fitted)]
     profile = HardwareProfile(points, device=_device_label(), target=target.name)
     return profile, records
+
+
+# What a profile measured on first use covers: enough for hw-prefix up to 64 requests × γ.
+AUTO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _profile_key(target: TargetModel) -> str:
+    """What a step curve depends on: the target and how it runs, the CPU, the thread count."""
+    import hashlib
+
+    from specforge.bench.machine import machine
+
+    m = machine()
+    key = {"target": target.name, "dtype": str(target.dtype), "weights": target.weights,
+           "compiled": bool(getattr(target.runtime, "compiled", False)), "cpu": m["cpu"], "flags": m["flags"],
+           "threads": m["torch_threads"], "torch": m["torch"], "device": _device_label()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def machine_profile(target: TargetModel, log: Any = None) -> HardwareProfile:
+    """This machine's step curve for ``target``: measured once (≈ a minute) and cached under
+    ``$SPECFORGE_CACHE_DIR/profiles``, keyed by target, dtype, weights, CPU, threads and torch —
+    what ``profile: auto`` of the hardware-aware schedulers reads."""
+    from specforge.files import write_atomic
+    from specforge.target.loading import cache_root
+
+    path = cache_root() / "profiles" / f"{Path(target.name).name}-{_profile_key(target)}.json"
+    if path.is_file():
+        return HardwareProfile.load(path)
+    (log or (lambda msg: print(msg, file=sys.stderr, flush=True)))(
+        f"measuring the step curve of {target.name} on this machine once (cached in {path})")
+    longest = split_tokens(AUTO_BATCHES[-1], 16)[0]
+    profile, _ = measure_sps(target, AUTO_BATCHES, context=max(1, min(256, target.max_positions - longest)), reps=3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(profile.to_dict(), indent=2) + "\n")
+    return profile
 
 
 def profile_table(records: Sequence[dict[str, Any]]) -> str:

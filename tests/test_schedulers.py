@@ -186,6 +186,37 @@ def test_missing_profile_file_names_it(host, tmp_path):
         host.create_scheduler("hw-prefix", {"profile": str(tmp_path / "absent.json")})
 
 
+def test_profile_auto_measures_this_machines_curve_once_and_the_engine_binds_it(host, tmp_path, monkeypatch):
+    """``profile: auto``: the engine binds the scheduler to its target, which measures SPS(B) on
+    first use and caches it; a second engine reads the cache (nothing measured again)."""
+    import specforge.profiling as profiling
+    from specforge.engine import Engine, GenerationRequest
+    from specforge.target import TargetModel
+    from tiny_models import tiny_model
+
+    monkeypatch.setenv("SPECFORGE_CACHE_DIR", str(tmp_path))
+    target = TargetModel(tiny_model("llama", seed=7, vocab=64, eos=None), None, torch.float32)
+    measured = []
+    real = profiling.measure_sps
+    monkeypatch.setattr(profiling, "measure_sps", lambda *a, **k: measured.append(1) or real(*a, **k, progress=False))
+
+    def engine():
+        scheduler = host.create_scheduler("hw-prefix", {"profile": "auto"})
+        with pytest.raises(RuntimeError, match="bind"):
+            scheduler.schedule(torch.full((1, 2), 0.9), torch.tensor([2]))
+        return scheduler, Engine(target, host.create_verifier("rejection", {}), drafter=host.create_drafter("ngram", {}),
+                                 correction_head=None, confidence=host.create_confidence("constant", {"value": 0.9}),
+                                 calibrator=host.create_calibrator("identity", {}), scheduler=scheduler)
+
+    first, e1 = engine()
+    assert measured == [1] and [b for b, _ in first.profile.points()] == list(profiling.AUTO_BATCHES)
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+    second, e2 = engine()
+    assert measured == [1] and second.profile == first.profile
+    out = e2.generate([GenerationRequest(prompt_ids=[3, 4, 5], max_new_tokens=6, temperature=0.0)])
+    assert len(out[0].token_ids) == 6
+
+
 # --- input checks ------------------------------------------------------------------------------
 
 

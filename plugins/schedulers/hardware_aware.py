@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
 from torch import Tensor
@@ -15,14 +16,16 @@ __all__ = ["AsyncTopKConfig", "AsyncTopKScheduler", "HardwareConfig", "HwPrefixS
 
 
 class HardwareConfig(BaseModel):
-    """Where the step curve SPS(B) comes from: inline values or a profile file, exactly one."""
+    """Where the step curve SPS(B) comes from: inline values, a profile file, or ``auto`` (this
+    machine's curve for the bound target, measured on first use and cached), exactly one."""
 
     model_config = ConfigDict(extra="forbid")
     sps: list[PositiveFloat] | None = Field(
         default=None, min_length=1, description="SPS(B) for B = 1, 2, ... (inline step curve)"
     )
-    profile: Path | None = Field(
-        default=None, description="JSON hardware profile written by `specforge profile`"
+    profile: Literal["auto"] | Path | None = Field(
+        default=None, description="JSON hardware profile written by `specforge profile`, or 'auto': this "
+                                  "machine's, measured once for the bound target and cached"
     )
 
     @model_validator(mode="after")
@@ -31,14 +34,33 @@ class HardwareConfig(BaseModel):
             raise ValueError("give exactly one of 'sps' (inline SPS(B) list) or 'profile' (JSON file)")
         return self
 
-    def hardware_profile(self) -> HardwareProfile:
+    def hardware_profile(self) -> HardwareProfile | None:
+        """The step curve, or None for ``auto`` (known once the scheduler is bound to a target)."""
         if self.sps is not None:
             return HardwareProfile(self.sps, device="inline")
         assert self.profile is not None
-        return HardwareProfile.load(self.profile)
+        return None if self.profile == "auto" else HardwareProfile.load(self.profile)
 
 
-class HwPrefixScheduler:
+class _HardwareAware:
+    """The step curve of a hardware-aware scheduler; ``auto`` is resolved at bind()."""
+
+    config: HardwareConfig
+    profile: HardwareProfile | None
+
+    def bind(self, target: Any) -> None:
+        if self.profile is None:
+            from specforge.profiling import machine_profile
+
+            self.profile = machine_profile(target)
+
+    def _curve(self) -> HardwareProfile:
+        if self.profile is None:
+            raise RuntimeError("profile: auto needs the target's step curve: bind() the scheduler to a target first")
+        return self.profile
+
+
+class HwPrefixScheduler(_HardwareAware):
     """Algorithm 1: admit candidates by decreasing survival while Θ = τ·SPS(B) strictly improves.
 
     The break at the first non-improvement is what keeps it lossless: whether (r, k) is admitted
@@ -52,7 +74,7 @@ class HwPrefixScheduler:
 
     def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
         path = admission_path(confidence, available)
-        return path.lengths(causal_count(path.throughput(self.profile)))
+        return path.lengths(causal_count(path.throughput(self._curve())))
 
 
 class AsyncTopKConfig(HardwareConfig):
@@ -64,7 +86,7 @@ class AsyncTopKConfig(HardwareConfig):
     )
 
 
-class AsyncTopKScheduler:
+class AsyncTopKScheduler(_HardwareAware):
     """The asynchronous scheduler of paper §5.2: a lagged capacity, filled by current rank.
 
     At call t the capacity K_t (draft tokens to verify, across the batch) is the arg-max of Θ over
@@ -99,7 +121,7 @@ class AsyncTopKScheduler:
     def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
         path = admission_path(confidence, available)
         capacity = self._ahead.popleft() if len(self._ahead) == 2 else self.config.initial_capacity
-        self._ahead.append(global_count(path.throughput(self.profile)))
+        self._ahead.append(global_count(path.throughput(self._curve())))
         self.last_capacity = capacity
         n = len(path) if capacity is None else min(capacity, len(path))
         return path.lengths(n)

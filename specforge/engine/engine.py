@@ -98,7 +98,7 @@ class Engine:
             for name, part in (("confidence", confidence), ("calibrator", calibrator), ("scheduler", scheduler)):
                 if part is None:
                     raise ValueError(f"a drafter needs a {name}")
-            self._bind(drafter, correction_head, confidence)
+            self._bind(drafter, correction_head, confidence, calibrator, scheduler)
         self._queue: deque[tuple[int, GenerationRequest]] = deque()
         self._active: list[_Active] = []
         self._outputs: dict[int, RequestOutput] = {}
@@ -110,12 +110,13 @@ class Engine:
         self.phase_seconds: dict[str, float] = dict.fromkeys(("draft", "target", "verify", "commit"), 0.0)
         self.draft_seconds: dict[str, float] = dict.fromkeys(("drafter", "confidence", "scheduler"), 0.0)
 
-    def _bind(self, drafter, correction_head, confidence) -> None:
-        """Lifecycle steps 1–2 (:mod:`specforge.components`): bind every model-backed component to
-        the target, then give each the weights the drafter's checkpoint trained for it."""
+    def _bind(self, drafter, correction_head, confidence, calibrator=None, scheduler=None) -> None:
+        """Lifecycle steps 1–2 (:mod:`specforge.components`): bind every component that has a
+        ``bind`` to the target, then give each the weights the drafter's checkpoint trained for it."""
         target = self.target
-        # Heads and estimators sized from the target (vocabulary, hidden size) build here.
-        for part in (drafter, correction_head, confidence):
+        # Heads and estimators sized from the target (vocabulary, hidden size) build here; a
+        # hardware-aware scheduler reads the target's step curve on this machine.
+        for part in (drafter, correction_head, confidence, calibrator, scheduler):
             if callable(getattr(part, "bind", None)):
                 part.bind(target)
         companions = drafter.companion_weights() if callable(getattr(drafter, "companion_weights", None)) else {}
