@@ -197,6 +197,28 @@ def test_the_restricted_sequential_stage_reports_the_law_it_samples(target, host
             assert bool((drawn > 0).all()) and int((block.probs > 0).sum(-1).max()) <= 4
 
 
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("candidates", [None, 5])
+def test_a_random_init_over_a_draft_vocabulary_proposes_only_inside_it(target, host, head, candidates, greedy):
+    """``draft_vocab=N`` on a random init: a seeded set of N target ids; the engine restricts the
+    untrained heads to it; every proposed token lies inside, q is zero outside, and greedy
+    decoding still equals plain decoding."""
+    drafter = Recorder(host.get("drafter", "dspark").config(gamma=4, layers=1, draft_vocab=12, seed=5,
+                                                             candidates=candidates))
+    engine = make_engine(target, host, drafter=drafter, head=head, temperature=1.0)
+    outs = engine.generate(requests())
+    assert all(o.error is None for o in outs)
+    inside = drafter.draft_vocab.t2d
+    assert drafter.draft_vocab.size == 12 and int(inside.sum()) == 12
+    for _, block in drafter.calls:
+        if block.tokens.shape[1]:
+            assert bool(inside[block.tokens].all()) and bool((block.probs[..., ~inside] == 0).all())
+            torch.testing.assert_close(block.probs.sum(-1), torch.ones(block.probs.shape[:2]), rtol=0, atol=1e-5)
+    greedy_engine = make_engine(target, host, drafter=host.create_drafter(
+        "dspark", {"gamma": 4, "layers": 1, "draft_vocab": 12, "seed": 5, "candidates": candidates}), head=head)
+    assert [o.token_ids for o in greedy_engine.generate(requests())] == greedy
+
+
 def test_greedy_law_is_one_hot_argmax(target, host):
     drafter = Recorder(host.get("drafter", "dspark").config(gamma=3, layers=1))
     make_engine(target, host, drafter=drafter).generate(requests(6))

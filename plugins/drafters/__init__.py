@@ -14,9 +14,12 @@ from specforge_plugins.drafters.ngram import NgramConfig, NgramDrafter
 __all__ = ["DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter", "NgramConfig", "NgramDrafter"]
 
 # Small enough for the conformance suite's reference targets (2 layers, d = 32, V = 8–32).
-# The third restricts the sequential stage to the top-4 tokens of U_k (q is zero elsewhere).
+# The third restricts the sequential stage to the top-4 tokens of U_k (q is zero elsewhere); the
+# last two propose from a draft vocabulary of 5 or 6 target ids (q is zero outside it), the
+# last one with the sequential stage on the top 3 of those too.
 _BLOCK_EXAMPLES = ({"gamma": 3, "layers": 1}, {"gamma": 4, "layers": 2, "seed": 1},
-                   {"gamma": 3, "layers": 1, "candidates": 4})
+                   {"gamma": 3, "layers": 1, "candidates": 4}, {"gamma": 4, "layers": 1, "draft_vocab": 6, "seed": 2},
+                   {"gamma": 3, "layers": 1, "draft_vocab": 5, "candidates": 3})
 
 
 @hookimpl

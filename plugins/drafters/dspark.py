@@ -54,6 +54,9 @@ class DSparkConfig(BaseModel):
     dtype: Literal["float32", "target"] = Field(
         "target", description="'target': run the backbone in the target's dtype (bf16 on the embedded default), "
                               "its projections packed as the target's are; float32: as trained")
+    draft_vocab: int | None = Field(
+        None, ge=1, description="a random init over a draft vocabulary of this many target ids (a seeded "
+                                "random set; tests and conformance); a checkpoint brings its own")
     candidates: int | None = Field(
         None, ge=1, description="sequential stage on the top-K tokens of the base logits U_k only: the "
                                 "correction head reads K columns of W2 instead of V, and q_k is the exact "
@@ -61,8 +64,10 @@ class DSparkConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_source(self):
-        if self.checkpoint is not None and (self.layers is not None or self.target_layers is not None):
-            raise ValueError("layers and target_layers come from the checkpoint; set them only for a random init")
+        if self.checkpoint is not None and (self.layers is not None or self.target_layers is not None
+                                            or self.draft_vocab is not None):
+            raise ValueError("layers, target_layers and draft_vocab come from the checkpoint; set them only for a "
+                             "random init")
         return self
 
 
@@ -109,13 +114,23 @@ class BlockDrafter:
             if backbone.config.gamma != self.gamma:  # a shorter or longer block than trained
                 backbone.config = backbone.config.model_copy(update={"gamma": self.gamma})
         else:
-            backbone = BlockBackbone(self._random_config(args), seed=self.config.seed)
+            config = self._random_config(args)
+            backbone = BlockBackbone(config, seed=self.config.seed, vocab=self._random_vocab(args.vocab_size))
         if self.config.dtype == "target":
             backbone = backbone.to(runtime.dtype).pack()
         self.backbone = backbone.eval().bind(SharedWeights.from_target(runtime))
         c = backbone.config
         self.feature_layers = c.tap_layers
         self._contexts = ContextCache(c.draft_layers, c.n_kv_heads, c.head_dim, backbone.dtype)
+
+    def _random_vocab(self, vocab_size: int) -> DraftVocab | None:
+        n = self.config.draft_vocab
+        if n is None:
+            return None
+        if n >= vocab_size:
+            raise DrafterCheckpointError(f"draft_vocab: {n} tokens is not smaller than the target's {vocab_size}")
+        gen = torch.Generator().manual_seed(self.config.seed)
+        return DraftVocab(torch.randperm(vocab_size, generator=gen)[:n].sort().values, vocab_size)
 
     def _random_config(self, args: Any) -> BlockDrafterConfig:
         layers = self.config.target_layers
@@ -125,7 +140,7 @@ class BlockDrafter:
                              f"(0..{args.n_layers - 1})")
         return BlockDrafterConfig.from_model_args(
             args, draft_layers=self.config.layers or self.default_layers, target_layers=layers,
-            gamma=self.gamma, predict_anchor=self.predict_anchor)
+            gamma=self.gamma, predict_anchor=self.predict_anchor, draft_vocab_size=self.config.draft_vocab)
 
     @property
     def draft_vocab(self) -> DraftVocab | None:

@@ -123,6 +123,13 @@ class Engine:
         for slot, part in (("correction_head", correction_head), ("confidence", confidence)):
             if slot in companions:
                 _load_companion(slot, part, companions[slot])
+        # A drafter that proposes from a draft vocabulary reads its heads' tables by draft id: a
+        # head that came without trained weights (no companion) is restricted to it here.
+        vocab = getattr(drafter, "draft_vocab", None)
+        if vocab is not None:
+            for slot, part in (("correction_head", correction_head), ("confidence", confidence)):
+                if slot not in companions and callable(getattr(part, "restrict", None)):
+                    part.restrict(vocab.token_rows())
         share = getattr(confidence, "share", None)
         if callable(share):
             share(correction_head)
