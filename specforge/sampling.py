@@ -202,8 +202,12 @@ def sample_with_uniform(probs: Tensor, u: Tensor) -> Tensor:
     total = cdf[..., -1:]
     target = u.to(device=cdf.device, dtype=dtype).unsqueeze(-1) * total
     idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
-    # u*total can round up to total; fall back to the last token that has mass.
+    # The first id whose running sum exceeds u·total has mass of its own (the sum rose there).
+    # Only when u·total rounds up to the total does the search run past the last token with
+    # mass; that rare case alone pays for finding it (a flip and arg-max over the vocabulary).
     v = probs.shape[-1]
+    if not bool((idx >= v).any()):
+        return idx
     last = v - 1 - torch.argmax(torch.flip((probs > 0).to(torch.int8), dims=[-1]), dim=-1)
     return torch.minimum(idx, last)
 

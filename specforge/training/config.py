@@ -195,7 +195,7 @@ _DIFFERENCES: dict[str, dict[str, Any]] = {
                  "regenerate": {"max_new_tokens": 256, "max_batch": 16, "shard_size": 128}},
         "features": {"sequences_per_shard": 128},
         "drafter": {"draft_vocab": 8192, "confidence": {"embedding": "head"}},
-        "schedule": {"warmup_steps": 50, "epochs": 12, "min_lr": 1e-4},
+        "schedule": {"warmup_steps": 50, "epochs": 6, "min_lr": 1e-4},
         "batch": {"sequences": 16, "anchors": 16},
         "output": {"dir": "runs/cpu", "checkpoint_interval": 100, "eval_interval": 100},
     },
