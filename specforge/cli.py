@@ -319,9 +319,9 @@ def _add_eval_options(p: argparse.ArgumentParser, prompts: int, max_new_tokens: 
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens per answer")
     p.add_argument("--eval-dir", default=None, metavar="DIR",
                    help="folder of the named prompt sets (default: the sets shipped with specforge)")
-    p.add_argument("--compare", action="append", metavar="[LABEL=]CONFIG[+CONFIG]",
-                   help="also measure this pipeline (preset or YAML; repeatable) on the same prompts in the "
-                        "same run, against the same plain baseline")
+    p.add_argument("--compare", action="append", metavar="[LABEL=]CONFIG[+CONFIG][,KEY=VALUE...]",
+                   help="also measure this pipeline (presets or YAML, then overrides; repeatable) on the same "
+                        "prompts in the same run, against the same plain baseline")
 
 
 # --- the parser: one function per built-in sub-command --------------------------------------------

@@ -81,15 +81,17 @@ def drafter_fingerprint(directory: Path) -> str:
 
 
 def parse_arms(specs: Sequence[str]) -> dict[str, Any]:
-    """``[LABEL=]CONFIG[+CONFIG…]`` → ``{label: PipelineConfig}``; CONFIG is a preset name or a YAML
-    file, the label defaults to the last one's name."""
+    """``[LABEL=]CONFIG[+CONFIG…][,key=value…]`` → ``{label: PipelineConfig}``; CONFIG is a preset
+    name or a YAML file, the overrides apply on top (``full=dspark,drafter.candidates=null``), and
+    the label defaults to the last config's name."""
     from specforge.config import load_pipeline
 
     arms = {}
     for spec in specs:
-        label, _, sources = spec.rpartition("=")
+        head, *overrides = spec.split(",")
+        label, _, sources = head.partition("=") if "=" in head else ("", "", head)
         parts = sources.split("+")
-        arms[label or Path(parts[-1]).stem] = load_pipeline(parts)
+        arms[label or Path(parts[-1]).stem] = load_pipeline(parts, overrides)
     return arms
 
 
