@@ -198,3 +198,20 @@ def test_config_errors_name_the_key_and_the_valid_keys(tmp_path):
     assert (cfg.optimizer.lr, cfg.schedule.total_steps, cfg.schedule.epochs) == (1e-4, 50, None)
     full = load_train_config("full")
     assert full.drafter.options()["layers"] == 5 and full.data.limit is None
+
+
+def test_the_learning_curve_counts_training_time_only_and_scales_it_by_threads(tmp_path):
+    from specforge.training.curve import learning_curve, plot_learning_curve
+
+    records = [{"split": "train", "step": 2, "step_time": 3.0, "threads": 2},   # steps 1-2: 2 × 3 s
+               {"split": "eval", "step": 2, "tau": 1.5, "loss": 4.0},
+               {"split": "train", "step": 4, "step_time": 1.5, "threads": 2},   # steps 3-4: 2 × 1.5 s
+               {"split": "eval", "step": 4, "tau": 1.75, "loss": 3.0}]
+    points = learning_curve(records)
+    assert [p["step"] for p in points] == [2, 4] and [p["tau"] for p in points] == [1.5, 1.75]
+    assert points[0]["hours"] * 3600 == pytest.approx(6.0) and points[1]["hours"] * 3600 == pytest.approx(9.0)
+    assert points[1]["cpu_hours"] == pytest.approx(2 * points[1]["hours"])
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert learning_curve(path) == points
+    assert plot_learning_curve(points, tmp_path / "curve.png").stat().st_size > 0

@@ -2,7 +2,7 @@
 
 Each is a block-drafter checkpoint directory (config.json with the sha256 of its weights, which
 is checked on every load; model.safetensors; MODEL_CARD.md saying how it was trained and what it
-measured).  ``specforge plugins`` lists them; docs/guide/shipped-drafters.md describes them.
+measured).  docs/shipped-drafter.md describes the one for the embedded SmolLM2.
 """
 
 from __future__ import annotations
