@@ -210,12 +210,13 @@ class BlockDrafter:
         state = head.init_state(r) if head is not None else None
         vocab = self.backbone.vocab
         k_top = self.config.candidates if self.config.candidates is not None and self.config.candidates < n else None
-        if vocab is None and k_top is None:  # the plain stage: every slot over the whole vocabulary
+        whole = vocab is None and k_top is None  # the plain stage: every slot over the whole vocabulary
+        if whole:
             logits, probs = torch.empty_like(base), torch.empty_like(base)
-        else:
-            v = self.backbone.config.vocab_size
-            logits = torch.full((r, g, v), float("-inf"), dtype=base.dtype)
-            probs = torch.zeros(r, g, v, dtype=base.dtype)
+        else:  # each slot's K (or N) columns, scattered into [R, g, V] once at the end
+            cols_all = torch.empty(r, g, k_top or n, dtype=torch.long)
+            step_all, law_all = torch.empty(r, g, k_top or n, dtype=base.dtype), torch.empty(r, g, k_top or n,
+                                                                                             dtype=base.dtype)
         support = base.topk(k_top, dim=-1).indices if k_top is not None else None  # [R, g, K] draft ids
         every = torch.arange(n).expand(r, n) if support is None else None  # the columns of a whole row
         tokens = torch.empty(r, g, dtype=torch.long)
@@ -233,15 +234,18 @@ class BlockDrafter:
             in_head += time.perf_counter() - t0 if head is not None else 0.0
             law = warp(step, ctx.sampling)  # the exact law x_k is drawn from, on ``cols``
             pick = cols.gather(1, sample_with_uniform(law, u[:, k])[:, None])[:, 0]
-            if vocab is None and k_top is None:
+            if whole:
                 logits[:, k], probs[:, k] = step, law
                 prev = tokens[:, k] = pick
                 continue
-            cols_t = cols if vocab is None else vocab.ids[cols]  # the target ids of those columns
-            logits[:, k].scatter_(1, cols_t, step)
-            probs[:, k].scatter_(1, cols_t, law)
+            cols_all[:, k], step_all[:, k], law_all[:, k] = cols, step, law
             prev = tokens[:, k] = pick if vocab is None else vocab.ids[pick]
         self.head_seconds += in_head
+        if not whole:
+            v = self.backbone.config.vocab_size
+            cols_t = cols_all if vocab is None else vocab.ids[cols_all]  # the target ids of those columns
+            logits = torch.full((r, g, v), float("-inf"), dtype=base.dtype).scatter_(2, cols_t, step_all)
+            probs = torch.zeros(r, g, v, dtype=base.dtype).scatter_(2, cols_t, law_all)
         return tokens, logits, probs
 
     def _ingest(self, ctx: DraftContext) -> None:
