@@ -212,10 +212,26 @@ def compose(sources: list[str], overrides: list[str] | None = None) -> dict[str,
         raise ConfigError([f"override {o!r} must look like key.path=value" for o in bad])
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides or [])))
-        merged = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
+        merged = OmegaConf.create({})
+        for layer in layers:
+            merged = merge_layer(merged, layer)
         return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
         raise ConfigError([f"cannot merge configs: {exc}".splitlines()[0]]) from None
+
+
+def merge_layer(base: Any, layer: Any) -> Any:
+    """``layer`` merged over ``base`` (OmegaConf), except that a component section whose ``name``
+    the layer changes starts afresh from the layer's keys: ``scheduler.name=fixed`` over a
+    ``hw-prefix`` section must not leave hw-prefix's ``profile`` behind."""
+    base, layer = OmegaConf.create(base), OmegaConf.create(layer)
+    for kind in ComponentKind:
+        slot = kind.value
+        new = layer.get(slot) if OmegaConf.is_dict(layer) else None
+        old = base.get(slot) if OmegaConf.is_dict(base) else None
+        if OmegaConf.is_dict(new) and "name" in new and OmegaConf.is_dict(old) and old.get("name") != new.get("name"):
+            base[slot] = None
+    return OmegaConf.merge(base, layer)
 
 
 def _fields_at(model: type[BaseModel], path: Sequence[str]) -> list[str]:
@@ -345,8 +361,7 @@ def load_pipeline(
         raw.update(sections)
     if overrides:
         try:
-            raw = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(raw), OmegaConf.create(compose([], overrides))),
-                                         resolve=True)
+            raw = OmegaConf.to_container(merge_layer(raw, compose([], overrides)), resolve=True)
         except OmegaConfBaseException as exc:
             raise ConfigError([f"cannot merge configs: {exc}".splitlines()[0]]) from None
     return validate_pipeline(raw, host, source=", ".join(sources))

@@ -143,3 +143,12 @@ def test_cli_prints_the_resolved_config(capsys):
     assert shown["sampling"]["seed"] == 9
     assert shown["calibrator"]["name"] == "sts"
     assert shown["scheduler"] == {"name": "threshold", "theta": 0.5}
+
+
+def test_naming_another_component_drops_the_keys_of_the_previous_one():
+    """``scheduler.name=fixed`` over the dspark preset's ``hw-prefix`` (with ``profile``) is a
+    plain ``fixed`` scheduler, not an error about hw-prefix's key; the same in a later file."""
+    p = load_pipeline(["dspark"], ["scheduler.name=fixed"])
+    assert p.to_dict()["scheduler"] == {"name": "fixed", "length": None}
+    same = load_pipeline(["dspark"], ["scheduler.profile=auto"])  # same name: keys still merge
+    assert same.to_dict()["scheduler"]["profile"] == "auto"

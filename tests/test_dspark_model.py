@@ -420,3 +420,26 @@ def test_the_context_cache_appends_many_requests_at_once_and_reuses_slots():
     assert 7 not in cache and cache.length(7) == 0
     cache.extend_many([12], torch.tensor([0]), torch.tensor([1]), rows(1, 0))  # takes 7's freed slot
     assert len(cache) == 2 and cache.gather([12])[2].tolist() == [[True]]
+
+
+def test_the_shipped_drafter_loads_and_a_damaged_copy_is_one_error_naming_its_file(tmp_path):
+    """What `specforge generate --config dspark` loads: the 2-layer DSpark drafter for SmolLM2 with
+    its draft vocabulary, Markov head and tied confidence head; a truncated copy is refused."""
+    import shutil
+
+    from specforge_plugins.drafters.shipped import shipped_drafters
+
+    from specforge.config import load_pipeline
+
+    assert load_pipeline(["dspark"]).to_dict()["drafter"]["checkpoint"] == "shipped:smollm2-135m-instruct"
+    directory = shipped_drafters()["smollm2-135m-instruct"]
+    backbone, head, confidence, _ = load_drafter("shipped:smollm2-135m-instruct")
+    c = backbone.config
+    assert (c.vocab_size, c.dim, c.draft_layers, c.gamma, c.draft_vocab_size) == (49152, 576, 2, 7, 8192)
+    assert backbone.vocab.size == 8192 and head is not None and confidence.table is head.w1
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(DrafterCheckpointError, match=rf"{re.escape(str(weights))} is truncated"):
+        load_drafter(copy)

@@ -45,3 +45,11 @@ def test_wheel_contains_every_entry_point_module_and_preset(tmp_path):
         data = zipfile.ZipFile(wheel).read(f"specforge/evalsets/{name}.jsonl")
         assert data == (REPO / "specforge" / "evalsets" / f"{name}.jsonl").read_bytes()
     assert "specforge/evalsets/SOURCES.md" in names
+    # The shipped drafters travel whole: weights (byte-identical), config with their hash, card.
+    shipped = REPO / "plugins" / "drafters" / "shipped"
+    drafters = [d for d in shipped.iterdir() if (d / "config.json").is_file()]
+    assert drafters, "no shipped drafter in the source tree"
+    for d in drafters:
+        for f in ("config.json", "model.safetensors", "MODEL_CARD.md"):
+            data = zipfile.ZipFile(wheel).read(f"specforge_plugins/drafters/shipped/{d.name}/{f}")
+            assert data == (d / f).read_bytes(), f"{d.name}/{f}"
