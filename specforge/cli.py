@@ -264,8 +264,7 @@ def _eval_settings(args: argparse.Namespace, **more: Any):
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """τ, per-position acceptance and speedup of a pipeline on prompt sets."""
-    from specforge.evaluation import comparison_table, evaluate, save, table
-    from specforge.main_job import parse_arms
+    from specforge.evaluation import comparison_table, evaluate, parse_arms, save, table
 
     pipeline = load_pipeline(args.config or ["dspark"], args.overrides)
     settings = _eval_settings(args, concurrency=args.concurrency, speedup=not args.no_speedup, seed=args.seed)

@@ -34,7 +34,7 @@ from typing import Any
 
 from specforge.errors import SpecforgeError
 
-__all__ = ["DEFAULT_COMPARE", "MainJobError", "drafter_fingerprint", "parse_arms", "run_main_job"]
+__all__ = ["DEFAULT_COMPARE", "MainJobError", "drafter_fingerprint", "run_main_job"]
 
 # What a user compares a freshly trained drafter with: prompt lookup (no training) and the
 # drafter shipped for the embedded target.
@@ -80,21 +80,6 @@ def drafter_fingerprint(directory: Path) -> str:
     return h.hexdigest()
 
 
-def parse_arms(specs: Sequence[str]) -> dict[str, Any]:
-    """``[LABEL=]CONFIG[+CONFIG…][,key=value…]`` → ``{label: PipelineConfig}``; CONFIG is a preset
-    name or a YAML file, the overrides apply on top (``full=dspark,drafter.candidates=null``), and
-    the label defaults to the last config's name."""
-    from specforge.config import load_pipeline
-
-    arms = {}
-    for spec in specs:
-        head, *overrides = spec.split(",")
-        label, _, sources = head.partition("=") if "=" in head else ("", "", head)
-        parts = sources.split("+")
-        arms[label or Path(parts[-1]).stem] = load_pipeline(parts, overrides)
-    return arms
-
-
 def _reusable(path: Path, fingerprint: str, settings: dict[str, Any], pipeline: dict[str, Any],
               compare: dict[str, Any]) -> dict | None:
     if not path.is_file():
@@ -116,9 +101,9 @@ def run_main_job(train_sources: Sequence[str] = ("quick",), overrides: Sequence[
                  say: Callable[[str], None] = _say, compare: Sequence[str] = DEFAULT_COMPARE) -> dict[str, Any]:
     """Run (or resume) the three stages; returns the evaluation result with a ``main_job`` section
     (stage timings, the training summary, where everything is).  ``compare``: pipelines measured
-    beside the trained drafter (:func:`parse_arms`)."""
+    beside the trained drafter (:func:`specforge.evaluation.parse_arms`)."""
     from specforge.config import load_pipeline
-    from specforge.evaluation import EvalSettings, evaluate, save
+    from specforge.evaluation import EvalSettings, evaluate, parse_arms, save
     from specforge.training import Trainer, load_train_config
     from specforge.training.checkpoint import latest_checkpoint
 

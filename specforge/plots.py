@@ -1,9 +1,9 @@
-"""Reliability diagrams: predicted vs observed prefix survival, before/after calibration.
-
-What is plotted: docs/design/metrics.md#calibration-metrics.
+"""Figures as PNG files, and reliability diagrams (predicted vs observed prefix survival,
+before/after calibration; docs/design/metrics.md#calibration-metrics).
 
 Drawn with matplotlib's Agg canvas directly (no pyplot), so plotting never touches the global
-backend of a process that also shows interactive figures; matplotlib is imported only here.
+backend of a process that also shows interactive figures; :func:`new_figure` and
+:func:`save_figure` are how every plot of specforge makes and writes one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,28 @@ from torch import Tensor
 from specforge.components import CalibrationData
 from specforge.metrics import calibration_report
 
-__all__ = ["reliability_diagram"]
+__all__ = ["new_figure", "reliability_diagram", "save_figure"]
+
+
+def new_figure(width: float, height: float, dpi: float = 100) -> Any:
+    """A matplotlib ``Figure`` on its own Agg canvas (matplotlib is imported on first use)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save_figure(fig: Any, path: str | Path, title: str | None = None, dpi: float | None = None) -> Path:
+    """Title, lay out and write ``fig`` as a PNG at ``path`` (parent folders are created)."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=dpi or "figure")
+    return path
 
 
 def _reports(source: Any, after: Any, bins: int) -> list[tuple[str, dict[str, Any]]]:
@@ -64,9 +85,6 @@ def reliability_diagram(
         bins: ECE bins when reports are computed here.
         title: figure title.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     curves = _reports(source, after, bins)
     panels = (
         [(f"k = {p['k']}", [(lbl, rep["positions"][i]) for lbl, rep in curves])
@@ -76,8 +94,7 @@ def reliability_diagram(
     )
     cols = min(4, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig = Figure(figsize=(3.2 * cols, 3.2 * rows), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = new_figure(3.2 * cols, 3.2 * rows)
     for i, (name, stats) in enumerate(panels):
         ax = fig.add_subplot(rows, cols, i + 1)
         ax.plot([0, 1], [0, 1], linestyle="--", color="grey", linewidth=0.8)
@@ -85,10 +102,4 @@ def reliability_diagram(
             _curve(ax, label, s)
         ax.set(xlim=(0, 1), ylim=(0, 1), title=name, xlabel="predicted survival", ylabel="observed")
         ax.legend(fontsize=7, loc="upper left")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+    return save_figure(fig, path, title)

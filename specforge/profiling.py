@@ -158,7 +158,7 @@ def _profile_key(target: TargetModel) -> str:
     m = machine()
     key = {"target": target.name, "dtype": str(target.dtype), "weights": target.weights,
            "compiled": bool(getattr(target.runtime, "compiled", False)), "cpu": m["cpu"], "flags": m["flags"],
-           "threads": m["torch_threads"], "torch": m["torch"], "device": _device_label()}
+           "threads": m["torch_threads"], "torch": m["torch"]}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 

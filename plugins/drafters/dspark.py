@@ -124,11 +124,9 @@ class BlockDrafter:
         self._contexts = ContextCache(c.draft_layers, c.n_kv_heads, c.head_dim, backbone.dtype)
 
     def _random_vocab(self, vocab_size: int) -> DraftVocab | None:
-        n = self.config.draft_vocab
+        n = self.config.draft_vocab  # smaller than vocab_size: BlockDrafterConfig checked it
         if n is None:
             return None
-        if n >= vocab_size:
-            raise DrafterCheckpointError(f"draft_vocab: {n} tokens is not smaller than the target's {vocab_size}")
         gen = torch.Generator().manual_seed(self.config.seed)
         return DraftVocab(torch.randperm(vocab_size, generator=gen)[:n].sort().values, vocab_size)
 

@@ -166,12 +166,10 @@ def table(result: dict[str, Any]) -> str:
 def plot(result: dict[str, Any], path: str | Path) -> Path:
     """Stacked bars: each part of a round in plain steps, one bar per (c, γ); the line at 1 is a
     plain step, and τ over each bar is what the round buys."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from specforge.plots import new_figure, save_figure
 
     rows = result["rows"]
-    fig = Figure(figsize=(max(5.0, 1.1 * len(rows) + 2.5), 4.6))
-    FigureCanvasAgg(fig)
+    fig = new_figure(max(5.0, 1.1 * len(rows) + 2.5), 4.6)
     ax = fig.add_subplot(1, 1, 1)
     labels = [f"c={r['concurrency']}\nγ={r['gamma']}" for r in rows]
     bottom = [0.0] * len(rows)
@@ -185,10 +183,7 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     ax.set_ylabel("plain decoding steps per round")
     ax.set_title(f"one speculative round, part by part ({result['machine']['cpu']})", fontsize=9)
     ax.legend(fontsize=7, ncols=2, loc="upper left")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def save(result: dict[str, Any], out: Path) -> tuple[Path, Path]:

@@ -29,16 +29,17 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from specforge.acceptance import AcceptanceCounts
-from specforge.config import ConfigError, EngineConfig, PipelineConfig
+from specforge.config import ConfigError, EngineConfig, PipelineConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest, RequestOutput
 from specforge.evalsets import apply_chat_template, select_prompts
 
-__all__ = ["EvalSettings", "aggregate", "evaluate"]
+__all__ = ["EvalSettings", "aggregate", "evaluate", "parse_arms"]
 
 
 @dataclass
@@ -121,6 +122,19 @@ def _coverage(drafter: Any, outputs: list[RequestOutput]) -> float | None:
     return vocab.coverage(torch.tensor([t for o in outputs for t in o.token_ids], dtype=torch.long))
 
 
+def parse_arms(specs: Sequence[str]) -> dict[str, PipelineConfig]:
+    """``[LABEL=]CONFIG[+CONFIG…][,key=value…]`` → ``{label: PipelineConfig}``; CONFIG is a preset
+    name or a YAML file, the overrides apply on top (``full=dspark,drafter.candidates=null``), and
+    the label defaults to the last config's name."""
+    arms = {}
+    for spec in specs:
+        head, *overrides = spec.split(",")
+        label, _, sources = head.partition("=") if "=" in head else ("", "", head)
+        parts = sources.split("+")
+        arms[label or Path(parts[-1]).stem] = load_pipeline(parts, overrides)
+    return arms
+
+
 def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = None,
              compare: Mapping[str, PipelineConfig] | None = None) -> dict[str, Any]:
     """Measure ``pipeline`` (and every pipeline of ``compare``, by name, in the same run and
@@ -174,11 +188,11 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
         written = outs
         if plain is not None:
             ar, ar_seconds = _timed(plain, _requests(ids, temperature, settings))
-            ar_tok_s = sum(len(o.token_ids) for o in ar) / ar_seconds if ar_seconds > 0 else math.nan
+            row["ar_new_tokens"] = sum(len(o.token_ids) for o in ar)
+            ar_tok_s = row["ar_new_tokens"] / ar_seconds if ar_seconds > 0 else math.nan
             for r in (row, *others.values()):
                 r["ar_tok_s"] = ar_tok_s
                 r["speedup"] = r["tok_s"] / ar_tok_s if ar_tok_s else math.nan
-            row["ar_new_tokens"] = sum(len(o.token_ids) for o in ar)
             written = ar
         if (cov := _coverage(drafter, written)) is not None:
             row["vocab_coverage"] = cov

@@ -39,20 +39,12 @@ def learning_curve(records: list[dict[str, Any]] | str | Path) -> list[CurvePoin
 
 def plot_learning_curve(points: list[CurvePoint], path: str | Path, title: str | None = None) -> Path:
     """PNG with held-out τ̂ against steps (left) and CPU-hours (right)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from specforge.plots import new_figure, save_figure
 
-    fig = Figure(figsize=(9, 3.4), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = new_figure(9, 3.4)
     for i, (key, label) in enumerate((("step", "optimizer steps"), ("cpu_hours", "CPU-hours (step time × threads)"))):
         ax = fig.add_subplot(1, 2, i + 1)
         ax.plot([p[key] for p in points], [p["tau"] for p in points], marker="o", markersize=3)
         ax.set(xlabel=label, ylabel="held-out τ̂ (γ-block, T = 1)")
         ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+    return save_figure(fig, path, title)
