@@ -42,7 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=None,
                    help="repeat the run with seeds seed..seed+K-1 (false-alarm check; default 1) or, "
                         "with --controls, the number of seeds per control (default 20)")
-    p.add_argument("--case", metavar="JSON", help="re-run exactly one case printed by a failure")
+    p.add_argument("--case", metavar="JSON", help="re-run exactly one case printed by a failure (same "
+                   "target, prompt, sampling, batch, seeds and thread count)")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first failing probe or combination")
+    p.add_argument("--max-seconds", type=float, default=None, metavar="S",
+                   help="start no new probe or combination after S seconds (what is left is reported "
+                        "as not run, and the run does not pass)")
     p.add_argument("--controls", nargs="*", default=None, metavar="NAME",
                    help="prove the suite's power: run the negative controls (all, or those named)")
     p.add_argument("--no-deterministic", action="store_true", help="skip the deterministic checks")
@@ -90,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds > 1:
         return _run_seeds(args, tier)
     report = run_suite(tier=tier, plugins=args.plugin, seed=args.seed, n=args.n, progress=_progress,
-                       deterministic=not args.no_deterministic)
+                       deterministic=not args.no_deterministic, fail_fast=args.fail_fast,
+                       max_seconds=args.max_seconds)
     text = report.table() + ("\n\n" + report.explain() if not report.passed else "")
     text += f"\n\n{'PASSED' if report.passed else 'FAILED'} ({report.tier} tier, {report.seconds:.0f} s)"
     _emit(args, report.to_dict(), text)
@@ -129,7 +135,8 @@ def _run_seeds(args: argparse.Namespace, tier: str) -> int:
         if seed in done:
             continue
         report = run_suite(tier=tier, plugins=args.plugin, seed=seed, n=args.n, progress=_progress,
-                           deterministic=not args.no_deterministic)
+                           deterministic=not args.no_deterministic, fail_fast=args.fail_fast,
+                           max_seconds=args.max_seconds)
         done[seed] = report.to_dict()
         if not report.passed:
             explanations[seed] = report.explain()
@@ -157,18 +164,26 @@ def _run_summary(args: argparse.Namespace) -> int:
 
 
 def _run_case(args: argparse.Namespace) -> int:
+    from specforge.plugins import PluginHost
     from specforge_conformance.harness import Case, check_case
     from specforge_conformance.power import control_host
 
     case = Case.from_json(args.case)
     if args.n:
         case = Case.from_dict({**case.to_dict(), "n": args.n})
-    result = check_case(case, control_host(), 1e-6)
+    # every installed plug-in (the case may name a third party's component), the suite's probe
+    # components and the negative controls
+    result = check_case(case, control_host(PluginHost()), 1e-6)
     payload = result.to_dict()
-    text = (f"{case.combination.label()}: N = {case.n:,}, p = {result.fit.p_value:.3g}, TV = {result.fit.tv:.4f}"
-            + ("" if result.rerun is None else
-               f"; re-run at N = {result.rerun.case.n:,}: p = {result.rerun.fit.p_value:.3g}")
-            + f"\n{'FAILED' if result.failed else 'passed'} at α = 1e-6")
+    lines = [f"{case.combination.label()}: N = {case.n:,}" + (f", {case.threads} threads" if case.threads else "")]
+    for run in (result, result.rerun):
+        if run is None:
+            continue
+        for name, f in run.tests.items():
+            lines.append(f"  N = {run.case.n:,}  {name:<12} p = {f.p_value:.3g}  TV = {f.tv:.4f}"
+                         + (f"  ({f.impossible} impossible draws)" if f.impossible else ""))
+    lines.append(f"{'FAILED' if result.failed else 'passed'} at α = 1e-6")
+    text = "\n".join(lines)
     _emit(args, payload, text)
     return 1 if result.failed else 0
 

@@ -9,7 +9,9 @@ proves its power (``specforge conformance --controls``)::
 Every control *claims* to be correct (a lossless verifier, a pre-token confidence) — the bug is in
 the mechanism, where only the statistics can see it.  Each simulates a mistake that real
 speculative-decoding code has made, and :data:`CONTROL_CASES` names the pipeline in which it is
-run: the smallest one that contains the bug.
+run: the smallest one that contains the bug.  The *subtle* controls (:data:`SUBTLE`) are small
+versions of plausible third-party bugs, one per bug class; each is run in the probe case of its
+kind (:mod:`specforge_conformance.probes`) and :data:`CLAIMS` names the statistic meant to catch it.
 """
 
 from __future__ import annotations
@@ -36,8 +38,15 @@ from specforge_plugins.verifiers import (
 )
 
 __all__ = [
+    "CLAIMS",
     "CONTROL_CASES",
+    "SUBTLE",
+    "BatchSharedVerifier",
     "BonusDroppedVerifier",
+    "CoolDrafter",
+    "OverAcceptVerifier",
+    "PeekNextScheduler",
+    "ResidualOffByOneVerifier",
     "BonusWrongRowVerifier",
     "GlobalSearchScheduler",
     "ResampleTargetVerifier",
@@ -128,6 +137,57 @@ class BonusDroppedVerifier(_RejectionMechanics):
         return n, law
 
 
+class ResidualOffByOneVerifier(_RejectionMechanics):
+    """After a rejection at position k ≥ 2, builds the residual from the draft law of position
+    k − 1: an off-by-one in a per-position loop over a flattened q."""
+
+    def emission(self, p: Tensor, inputs: VerifyInputs, n: Tensor) -> tuple[Tensor, Tensor]:
+        rows = torch.arange(p.shape[0])
+        law = p[rows, n]
+        if inputs.gamma > 0:
+            k = n.clamp(max=inputs.gamma - 1)
+            wrong = (k - 1).clamp(min=0)
+            q = None if inputs.probs is None else inputs.probs[rows, wrong]
+            rejected = (n < inputs.lengths).unsqueeze(-1)
+            law = torch.where(rejected, self.residual(law, q, inputs.tokens[rows, k]), law)
+        return n, law
+
+
+class OverAcceptConfig(RejectionConfig):
+    factor: float = Field(1.05, gt=1, description="acceptance ratio multiplied by this")
+
+
+class OverAcceptVerifier(_RejectionMechanics):
+    """Accepts with probability min(1, factor · p(x)/q(x)): u/factor is compared where u should
+    be — e.g. a tolerance meant for float error put on the wrong side."""
+
+    def __init__(self, config: OverAcceptConfig | None = None) -> None:
+        super().__init__(config or OverAcceptConfig())
+
+    def accept_uniforms(self, inputs: VerifyInputs) -> Tensor:
+        return inputs.uniforms[:, : inputs.gamma, 0] / self.config.factor
+
+
+class BatchSharedVerifier(_RejectionMechanics):
+    """Draws request r's bonus token with request r + 1's first sampling uniform (an off-by-one in
+    the row of a per-request stream): each request's own law is still exact, but neighbouring
+    requests of a batch are no longer independent."""
+
+    def verify(self, target_logits: Tensor, draft_tokens: Tensor, draft_probs: Tensor | None, lengths: Tensor,
+               sampling: SamplingParams, uniforms: Tensor) -> VerifyOutput:
+        inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
+        p = self.target_probs(inputs, sampling)
+        g = inputs.gamma
+        a = self.accept_probability(p[:, :g], inputs.probs, inputs.tokens)
+        n = accepted_prefix(self.accept_uniforms(inputs) < a, inputs.valid)
+        n, law = self.emission(p, inputs, n)
+        rows = torch.arange(p.shape[0])
+        own = inputs.uniforms[rows, n, 1]
+        neighbour = inputs.uniforms[(rows + 1) % p.shape[0], 0, 1]
+        u = torch.where(n == inputs.lengths, neighbour, own)
+        return VerifyOutput(num_accepted=n, next_token=sample_with_uniform(law, u))
+
+
 # --- drafters ---------------------------------------------------------------------------------
 
 
@@ -144,6 +204,21 @@ class WrongTemperatureDrafter(RandomDrafter):
 
     def draw_law(self, logits: Tensor) -> Tensor:
         return torch.softmax(logits / self.config.draw_temperature, -1)
+
+
+class CoolConfig(RandomDrafterConfig):
+    cooling: float = Field(0.95, gt=0, description="the tokens are drawn at this times the temperature of q")
+
+
+class CoolDrafter(RandomDrafter):
+    """Draws at a slightly lower temperature than the law it reports (the classic "reported q ≠
+    sampled q": e.g. a temperature applied before sampling and forgotten in the reported law)."""
+
+    def __init__(self, config: CoolConfig | None = None) -> None:
+        super().__init__(config or CoolConfig())
+
+    def draw_law(self, logits: Tensor) -> Tensor:
+        return torch.softmax(logits / self.config.cooling, -1)
 
 
 # --- confidence estimators --------------------------------------------------------------------
@@ -188,6 +263,28 @@ class GlobalSearchScheduler:
         return path.lengths(global_count(path.throughput(self.profile)))
 
 
+class PeekNextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    theta: float = Field(0.5, ge=0, le=1)
+
+
+class PeekNextScheduler:
+    """Verifies the leading slots whose confidence, smoothed with the next slot's —
+    (c_k + c_{k+1}) / 2 — is at least θ.  Smoothing reads like robustness, but for a sequential
+    drafter c_{k+1} is computed from x_k, so slot k is verified depending on its own token."""
+
+    def __init__(self, config: PeekNextConfig | None = None) -> None:
+        self.config = config or PeekNextConfig()
+
+    def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
+        r, g = confidence.shape
+        k = torch.arange(g)[None, :]
+        nxt = torch.minimum(k + 1, (available[:, None] - 1).clamp(min=0))
+        smooth = (confidence + confidence.gather(1, nxt.expand(r, g))) / 2
+        keep = (smooth >= self.config.theta) & (k < available[:, None])
+        return torch.cumprod(keep.to(torch.long), 1).sum(1)
+
+
 # --- the case each control runs in -----------------------------------------------------------
 
 # Each entry: the pipeline (slot -> (name, params)) plus any Case settings that differ from the
@@ -222,6 +319,19 @@ CONTROL_CASES: dict[str, dict] = {
     "typical": {"pipeline": {**_REST, "drafter": _PROBE, "verifier": ("typical", {})}, "vocab": 8},
 }
 
+# The subtle controls run in the probe case of the kind they belong to (probes.probe_cases), so
+# that they prove the power of what the suite runs on a third party's component of that kind.
+SUBTLE: dict[str, tuple[ComponentKind, dict]] = {
+    "cool-drafter": (ComponentKind.DRAFTER, {"gamma": 3}),
+    "residual-off-by-one": (ComponentKind.VERIFIER, {}),
+    "over-accept": (ComponentKind.VERIFIER, {}),
+    "batch-shared": (ComponentKind.VERIFIER, {}),
+    "peek-next": (ComponentKind.SCHEDULER, {"theta": 0.5}),
+}
+# The statistic each subtle control is meant to be caught by.
+CLAIMS = {"cool-drafter": "draft law", "residual-off-by-one": "emission", "over-accept": "acceptance",
+          "batch-shared": "cross-request", "peek-next": "selection"}
+
 
 # --- registration -----------------------------------------------------------------------------
 
@@ -236,6 +346,12 @@ def specforge_register_verifiers(register):
              description="NEGATIVE CONTROL: bonus token from row ℓ−1 instead of ℓ")
     register("bonus-dropped", BonusDroppedVerifier, config=RejectionConfig, lossless=True,
              description="NEGATIVE CONTROL: no bonus token; a full block ends with a residual draw")
+    register("residual-off-by-one", ResidualOffByOneVerifier, config=RejectionConfig, lossless=True,
+             description="NEGATIVE CONTROL: residual after a rejection at k ≥ 2 built from q_{k-1}")
+    register("over-accept", OverAcceptVerifier, config=OverAcceptConfig, lossless=True,
+             description="NEGATIVE CONTROL: accepts with probability min(1, 1.05·p/q)")
+    register("batch-shared", BatchSharedVerifier, config=RejectionConfig, lossless=True,
+             description="NEGATIVE CONTROL: request r's bonus token drawn with request r + 1's uniform")
 
 
 @hookimpl
@@ -243,6 +359,8 @@ def specforge_register_drafters(register):
     register("wrong-temperature", WrongTemperatureDrafter, config=WrongTemperatureConfig,
              provides=("probs", "logits"),
              description="NEGATIVE CONTROL: samples at one temperature, reports q at another")
+    register("cool-drafter", CoolDrafter, config=CoolConfig, provides=("probs", "logits"),
+             description="NEGATIVE CONTROL: draws at 0.95 × the temperature of the q it reports")
 
 
 @hookimpl
@@ -256,4 +374,7 @@ def specforge_register_confidence_estimators(register):
 def specforge_register_schedulers(register):
     register("retrospective-global", GlobalSearchScheduler, config=HardwareConfig,
              reads=("confidence", "hardware_profile"),
+             examples=({"sps": [1.0, 0.5, 0.45]}, {"sps": [1.0, 0.8, 0.6, 0.5, 0.42, 0.36, 0.3, 0.25]}),
              description="NEGATIVE CONTROL (lossy): Algorithm 1 without the early-stopping break")
+    register("peek-next", PeekNextScheduler, config=PeekNextConfig, reads=("confidence",),
+             description="NEGATIVE CONTROL: verifies slot k while (c_k + c_{k+1}) / 2 ≥ θ")

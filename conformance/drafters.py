@@ -12,6 +12,10 @@ makes it
   dependence that makes a retrospective scheduler lossy (paper Appendix A).
 
 ``shadow`` is its opposite: the target's own law, perturbed, so that long prefixes are accepted.
+With ``spike`` > 0 each position k also puts that much mass on its own token s_k (a different one
+per position): the draft laws are then peaked and differ strongly between positions, rejections
+happen at every depth of a long accepted prefix, and a residual built from the wrong position's
+law is far from the right one.
 
 Registered by the conformance suite and by tests with ``host.add_plugin``, never through an entry
 point.
@@ -20,7 +24,7 @@ point.
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from specforge import hookimpl
@@ -92,6 +96,15 @@ class ShadowDrafterConfig(BaseModel):
     gamma: int = Field(3, ge=1)
     temperature: float = Field(1.5, gt=0, description="the target's logits are divided by this")
     noise: float = Field(0.05, ge=0, lt=1, description="weight of a uniform law mixed in (full support)")
+    spike: float = Field(0.0, ge=0, lt=1, description="mass put on one token per position, a different "
+                                                       "token at each position")
+    seed: int = Field(0, description="seed of the spike tokens")
+
+    @model_validator(mode="after")
+    def _mass(self) -> ShadowDrafterConfig:
+        if self.noise + self.spike >= 1:
+            raise ValueError("noise + spike must stay below 1 (the target's own law keeps the rest)")
+        return self
 
 
 class ShadowDrafter:
@@ -112,6 +125,18 @@ class ShadowDrafter:
 
     def bind(self, target) -> None:
         self.model = target.hf_model
+        gen = torch.Generator().manual_seed(self.config.seed)
+        v = target.vocab_size
+        # s_k for k = 0..γ-1: distinct while γ ≤ V
+        self.spikes = torch.randperm(v, generator=gen).repeat(self.gamma // v + 1)[: self.gamma]
+
+    def law(self, logits: Tensor, k: int) -> Tensor:
+        """q_k from the target's logits ``[R, V]`` at slot k."""
+        c = self.config
+        law = (1 - c.noise - c.spike) * torch.softmax(logits / c.temperature, -1) + c.noise / logits.shape[-1]
+        if c.spike:
+            law[:, self.spikes[k]] += c.spike
+        return law
 
     def release(self, request_id: int) -> None:
         pass
@@ -135,11 +160,10 @@ class ShadowDrafter:
             for k in range(g):
                 step = self.model(input_ids=seq, use_cache=False).logits[:, -1].float()
                 out_logits[rows, k] = step
-                law = (1 - c.noise) * torch.softmax(step / c.temperature, -1) + c.noise / step.shape[-1]
-                x = sample_with_uniform(law, u[rows, k])
+                x = sample_with_uniform(self.law(step, k), u[rows, k])
                 tokens[rows, k] = x
                 seq = torch.cat([seq, x[:, None]], 1)
-        probs = (1 - c.noise) * torch.softmax(out_logits / c.temperature, -1) + c.noise / out_logits.shape[-1]
+        probs = torch.stack([self.law(out_logits[:, k], k) for k in range(g)], 1)
         lengths = torch.minimum(torch.full((r,), g, dtype=torch.long), ctx.max_tokens)
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=out_logits / c.temperature,
                           anchor=ctx.anchor)
@@ -151,5 +175,6 @@ def specforge_register_drafters(register):
              examples=({"gamma": 3}, {"gamma": 5, "sharpness": 1.0}, {"gamma": 2, "sharpness": 3.0}),
              description="TEST ONLY: random Markov proposals, so that rejections happen everywhere")
     register("shadow", ShadowDrafter, config=ShadowDrafterConfig, provides=("probs", "logits"),
-             examples=({"gamma": 3}, {"gamma": 4, "temperature": 0.7, "noise": 0.1}),
+             examples=({"gamma": 3}, {"gamma": 4, "temperature": 0.7, "noise": 0.1},
+                       {"gamma": 3, "temperature": 1.0, "spike": 0.3}),
              description="TEST ONLY: the target's own law, perturbed, so that most drafts are accepted")

@@ -5,13 +5,23 @@ their parameters), the reference target, the prompt, the sampling settings, the 
 the seed.  :func:`run_case` builds the components through the plug-in host and the
 :class:`~specforge.engine.Engine` exactly as a user's pipeline would be built, submits N
 identical requests (request i seeded with ``seed + i``, so samples are independent), and counts
-the generated sequences.  :func:`check_case` adds the policy: a rejection at N is re-run at 10·N
-with fresh seeds before it is reported.
+the generated sequences.  :func:`check_case` adds the policy: a case whose smallest p-value is
+*suspicious* (below :data:`SCREEN`) is run again at 10·N with seeds no sample has used, and it
+fails only if a statistic rejects there — so the level stays α while the power is that of 10·N
+for any case that already looked wrong at N (sequential testing).
+
+Each run yields several statistics (:data:`STATISTICS`): the law of the whole sequence, the
+independence of requests that share a batch, and the round-level ones of
+:mod:`specforge_conformance.rounds`.  A case runs with a fixed number of torch threads (recorded
+in it), so that ``--case`` reproduces its p-values bit for bit: float reductions, and therefore
+near-tie decisions of a scheduler, depend on the thread count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -25,11 +35,16 @@ from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
 from specforge_conformance.combos import SLOTS, Combination
 from specforge_conformance.exact import ExactLaw, ReferenceSpec, exact_law, reference_target
-from specforge_conformance.stats import FitResult, goodness_of_fit
+from specforge_conformance.rounds import RoundRecorder
+from specforge_conformance.stats import FitResult, detectable_tv, goodness_of_fit
 
-__all__ = ["Case", "CaseResult", "check_case", "run_case"]
+__all__ = ["STATISTICS", "Case", "CaseResult", "check_case", "run_case"]
 
 RERUN_FACTOR = 10
+SCREEN = 1e-3  # a statistic with p below this at N is measured again at 10·N
+# Every statistic a case can produce; the per-case level is shared among all of them (Bonferroni).
+STATISTICS = ("sequence", "independence", "cross-request", "draft law", "selection", "acceptance", "emission")
+PAIR_BUCKETS = 8  # independence: the most likely sequences, each its own bucket, and the rest
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,7 @@ class Case:
     horizon: int = 3
     n: int = 20_000
     seed: int = 0
+    threads: int | None = None  # torch threads the case runs with (None: the process's setting)
 
     @property
     def combination(self) -> Combination:
@@ -95,24 +111,53 @@ class CaseResult:
     accepted: int
     rerun: CaseResult | None = None
     counts: torch.Tensor | None = field(default=None, repr=False)
+    tests: dict[str, FitResult] = field(default_factory=dict)  # every statistic, "sequence" included
+
+    @property
+    def level(self) -> float:
+        """The level each statistic is tested at: the case's α shared by :data:`STATISTICS`."""
+        return self.alpha / len(STATISTICS)
+
+    @property
+    def min_p(self) -> float:
+        return min(f.p_value for f in self.tests.values()) if self.tests else self.fit.p_value
+
+    def rejected(self) -> list[str]:
+        """The statistics that reject at the case's level in this run."""
+        return [name for name, f in self.tests.items() if f.rejects(self.level)]
+
+    @property
+    def suspicious(self) -> bool:
+        return any(f.impossible for f in self.tests.values()) or self.min_p < SCREEN
 
     @property
     def failed(self) -> bool:
-        """Rejected at N and, when it was re-run, at 10·N too."""
-        first = self.fit.rejects(self.alpha)
-        return first and (self.rerun is None or self.rerun.fit.rejects(self.alpha))
+        """A statistic rejects at 10·N after N looked suspicious (or a draw was impossible)."""
+        if self.rerun is not None:
+            return bool(self.rerun.rejected())
+        return any(f.impossible for f in self.tests.values())
+
+    def detectable(self) -> dict[str, float]:
+        """Per statistic, the smallest deviation it detects with probability ≥ 99 % under the
+        two-stage rule (TV on its cells; an acceptance-probability shift for ``acceptance``)."""
+        return {name: detectable_tv(f, self.level, screen=SCREEN, factor=RERUN_FACTOR)
+                for name, f in self.tests.items()}
 
     @property
     def tau(self) -> float:
         return acceptance.tau(self.accepted, self.rounds) if self.rounds else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        mde = self.detectable()
         return {
             "combination": self.case.combination.label(),
             "case": self.case.to_dict(),
             "passed": not self.failed,
             "alpha": self.alpha,
+            "level": self.level,
             "fit": self.fit.to_dict(),
+            "tests": {name: {**f.to_dict(), "detectable": None if math.isinf(mde[name]) else mde[name]}
+                      for name, f in self.tests.items()},
             "tau": round(self.tau, 4),
             "acceptance": round(self.accepted / self.verified, 4) if self.verified else None,
             "seconds": round(self.seconds, 2),
@@ -120,10 +165,26 @@ class CaseResult:
         }
 
 
-def build_engine(case: Case, host: PluginHost, target=None, max_new_tokens: int | None = None) -> Engine:
-    """The components of ``case.pipeline`` created through ``host``, in the real engine."""
+@contextlib.contextmanager
+def case_threads(case: Case):
+    """Run with the case's torch thread count, then restore the process's."""
+    before = torch.get_num_threads()
+    if case.threads:
+        torch.set_num_threads(case.threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def build_engine(case: Case, host: PluginHost, target=None, max_new_tokens: int | None = None,
+                 recorder: RoundRecorder | None = None) -> Engine:
+    """The components of ``case.pipeline`` created through ``host``, in the real engine
+    (drafter and verifier observed by ``recorder`` when one is given)."""
     parts = {slot: (None if spec is None else host.create(ComponentKind(slot), spec[0], spec[1]))
              for slot, spec in case.pipeline.items()}
+    if recorder is not None:
+        parts["drafter"], parts["verifier"] = recorder.wrap(parts.get("drafter"), parts["verifier"])
     target = target or reference_target(case.reference)
     new = case.horizon if max_new_tokens is None else max_new_tokens
     gamma = getattr(parts.get("drafter"), "gamma", 0) or 0
@@ -138,34 +199,67 @@ def build_engine(case: Case, host: PluginHost, target=None, max_new_tokens: int 
 
 
 def run_case(case: Case, host: PluginHost, law: ExactLaw | None = None, alpha: float = 1e-6) -> CaseResult:
-    """Generate ``case.n`` sequences with the real engine and test them against the exact law."""
+    """Generate ``case.n`` sequences with the real engine and test them: their law against the
+    exact one, and every statistic of :data:`STATISTICS` that applies."""
     law = law or case.law()
-    engine = build_engine(case, host)
-    start = time.perf_counter()
-    requests = [GenerationRequest(prompt_ids=case.prompt, max_new_tokens=case.horizon, ignore_eos=True,
-                                  seed=case.seed + i) for i in range(case.n)]
-    outputs = engine.generate(requests)
-    seconds = time.perf_counter() - start
+    recorder = RoundRecorder(case.seed)
+    with case_threads(case):
+        engine = build_engine(case, host, recorder=recorder)
+        start = time.perf_counter()
+        requests = [GenerationRequest(prompt_ids=case.prompt, max_new_tokens=case.horizon, ignore_eos=True,
+                                      seed=case.seed + i) for i in range(case.n)]
+        outputs = engine.generate(requests)
+        seconds = time.perf_counter() - start
     bad = [o for o in outputs if o.error is not None or len(o.token_ids) != case.horizon]
     if bad:
         o = bad[0]
         raise RuntimeError(f"request {o.request_id} produced {len(o.token_ids)} tokens "
                            f"(expected {case.horizon}): {o.error or o.finish_reason}")
-    tokens = torch.tensor([o.token_ids for o in outputs], dtype=torch.long)
-    counts = torch.bincount(law.index(tokens), minlength=law.probs.numel())
+    cells = law.index(torch.tensor([o.token_ids for o in outputs], dtype=torch.long))
+    counts = torch.bincount(cells, minlength=law.probs.numel())
+    fit = goodness_of_fit(counts, law.probs)
+    tests = {"sequence": fit, "independence": independence(cells, law.probs)}
+    tests.update(recorder.fits())
     stats = [o.stats for o in outputs]
     return CaseResult(
-        case, goodness_of_fit(counts, law.probs), alpha, seconds,
+        case, fit, alpha, seconds,
         rounds=sum(s.rounds for s in stats), drafted=sum(s.drafted for s in stats),
         verified=sum(s.verified for s in stats), accepted=sum(s.accepted for s in stats), counts=counts,
+        tests=tests,
     )
 
 
+def independence(cells: torch.Tensor, probs: torch.Tensor, buckets: int = PAIR_BUCKETS) -> FitResult:
+    """Requests 2j and 2j+1 — submitted together, so in the same batch — must be independent.
+
+    Their pairs are counted in cells whose probabilities under independence are exact: "the two
+    sequences coincide" (Σ p², the cell shared or misrouted random numbers inflate most), and,
+    for pairs that differ, the joint of their buckets — the most likely sequences, as many as keep
+    every joint cell's expected count ≥ 5 (at most ``buckets`` − 1), and one for all others."""
+    p = probs.to(torch.float64)
+    pairs = cells.numel() // 2
+    order = torch.sort(p, descending=True, stable=True).indices
+    top = 0
+    while top < buckets - 1 and float(p[order[top]]) ** 2 * pairs >= 5:
+        top += 1
+    bucket = torch.full((p.numel(),), top, dtype=torch.long)
+    bucket[order[:top]] = torch.arange(top)
+    b = top + 1
+    marginal = torch.zeros(b, dtype=torch.float64).index_add_(0, bucket, p)
+    same = torch.zeros(b, dtype=torch.float64).index_add_(0, bucket, p * p)  # coincidences per bucket
+    joint = marginal[:, None] * marginal[None, :] - torch.diag(same)  # differing pairs
+    law = torch.cat([same.sum().reshape(1), joint.reshape(-1)])
+    a, c = cells[0:2 * pairs:2], cells[1:2 * pairs:2]
+    index = torch.where(a == c, 0, 1 + bucket[a] * b + bucket[c])
+    return goodness_of_fit(torch.bincount(index, minlength=law.numel()), law)
+
+
 def check_case(case: Case, host: PluginHost, alpha: float, law: ExactLaw | None = None) -> CaseResult:
-    """:func:`run_case`; if the test rejects, run again at 10·N with seeds no sample has used."""
+    """:func:`run_case`; if a statistic looks suspicious (p < :data:`SCREEN`, or an impossible
+    draw), run again at 10·N with seeds no sample has used: the case fails if that run rejects."""
     law = law or case.law()
     result = run_case(case, host, law, alpha)
-    if result.fit.rejects(alpha):
+    if result.suspicious and not any(f.impossible for f in result.tests.values()):
         again = replace(case, n=case.n * RERUN_FACTOR, seed=case.seed + case.n)
         result.rerun = run_case(again, host, law, alpha)
     return result

@@ -30,11 +30,12 @@ class ConformanceRunner:
         self.tier = tier
         self.n = n
 
-    def check(self, *names: str, seed: int = 0, deterministic: bool = True, host=None):
+    def check(self, *names: str, seed: int = 0, deterministic: bool = True, host=None, fail_fast: bool = False,
+              max_seconds: float | None = None):
         from specforge_conformance.suite import run_suite
 
         return run_suite(host=host, tier=self.tier, plugins=names, seed=seed, n=self.n,
-                         deterministic=deterministic)
+                         deterministic=deterministic, fail_fast=fail_fast, max_seconds=max_seconds)
 
 
 @pytest.fixture

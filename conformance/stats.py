@@ -6,20 +6,37 @@ cell of probability exactly 0 — a sequence the target can never produce, e.g. 
 a failure on its own, whatever the statistic says.  p-values come from the regularised upper
 incomplete gamma function, the power from the non-central chi-square as a Poisson mixture; both
 in float64 without scipy.
+
+The mechanism statistics (docs/conformance.md#what-each-statistic-sees) are chi-squares too:
+
+* :func:`pit` / :func:`uniformity_fit` — a token drawn from a law that is known row by row (the
+  draft law q_k a drafter reports, the residual a verifier declares) has a randomised probability
+  integral transform that is exactly U[0, 1), whatever the rows are; its histogram, per stratum
+  (position, rejection position), is tested against the flat one;
+* :func:`bernoulli_fit` — acceptance events with declared probabilities a_i: per bin of a,
+  (Σ accepted − Σ a)² / Σ a(1 − a), summed, is χ² with one degree of freedom per bin.
+
+Every :class:`FitResult` carries its *information* I: a deviation of size t (total variation on
+the test's cells, or the acceptance-probability shift of :func:`bernoulli_fit`) gives the test a
+non-centrality λ ≥ I·t².  :func:`detectable_tv` turns that into the smallest t the test catches
+with probability ≥ 99 % at its level — the minimum detectable effect the suite reports.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["FitResult", "chi2_isf", "chi2_sf", "goodness_of_fit", "merge_cells", "noncentrality", "power", "predicted_power",
-           "total_variation"]
+__all__ = ["DETECT", "FitResult", "bernoulli_fit", "pair_fit", "chi2_isf", "chi2_sf", "detectable_tv", "goodness_of_fit",
+           "merge_cells", "noncentrality", "pit", "power", "predicted_power", "total_variation", "uniformity_fit"]
 
 MIN_EXPECTED = 5.0
+DETECT = 0.99  # the detection probability a stated minimum detectable effect refers to
+PIT_BINS = 16
 
 
 def chi2_sf(x: float, df: int) -> float:
@@ -30,6 +47,7 @@ def chi2_sf(x: float, df: int) -> float:
                                          torch.tensor(x / 2, dtype=torch.float64)))
 
 
+@functools.lru_cache(maxsize=4096)
 def chi2_isf(alpha: float, df: int) -> float:
     """The x with P(χ²_df > x) = alpha (bisection on :func:`chi2_sf`)."""
     lo, hi = 0.0, float(df) + 10.0
@@ -92,6 +110,11 @@ class FitResult:
     p_value: float
     tv: float  # total variation between the empirical and the exact law (all cells)
     impossible: int  # samples that landed on probability-0 sequences
+    information: float | None = None  # I with λ ≥ I·t² for a deviation t; None: 4·n (Pearson, TV)
+
+    @property
+    def info(self) -> float:
+        return 4.0 * self.n if self.information is None else self.information
 
     def rejects(self, alpha: float) -> bool:
         return self.impossible > 0 or self.p_value < alpha
@@ -139,3 +162,138 @@ def predicted_power(alternative: Tensor, probs: Tensor, n: int, alpha: float) ->
     lam, df, impossible = noncentrality(alternative, probs, n)
     miss = (1 - power(df, lam, alpha)) * (1 - impossible) ** n
     return {"noncentrality": lam, "df": df, "impossible_mass": impossible, "power": 1 - miss}
+
+
+# --- mechanism statistics -------------------------------------------------------------------------
+
+
+def pit(law: Tensor, x: Tensor, u: Tensor, by_id: bool = False) -> tuple[Tensor, Tensor]:
+    """Randomised probability integral transform of tokens ``x`` ``[M]`` under rows ``law``
+    ``[M, V]``: F(x⁻) + u·law(x), with the tokens of each row ordered by decreasing probability
+    (ties by id), so a law drawn sharper than declared piles values near 0 and a flatter one
+    near 1 — or, ``by_id``, in id order, the order an inverse-CDF sampler uses, so that the value
+    tracks the uniform the token was drawn with.  Returns (values ``[M]`` in [0, 1), ``[M]``
+    bool: law(x) = 0, an impossible draw)."""
+    law = law.to(torch.float64)
+    law = law / law.sum(-1, keepdim=True).clamp(min=1e-300)
+    x = x.to(torch.long).unsqueeze(-1)
+    if by_id:
+        lo = (torch.cumsum(law, -1) - law).gather(-1, x).squeeze(-1)
+    else:
+        order = torch.sort(-law, dim=-1, stable=True).indices
+        rank = torch.argsort(order, dim=-1)
+        ordered = law.gather(-1, order)
+        before = torch.cumsum(ordered, -1) - ordered
+        lo = before.gather(-1, rank.gather(-1, x)).squeeze(-1)
+    px = law.gather(-1, x).squeeze(-1)
+    return (lo + u.to(torch.float64) * px).clamp(0.0, 1.0 - 1e-12), px <= 0
+
+
+def pair_fit(pairs: Tensor, strata: Tensor) -> FitResult:
+    """Test that ``pairs`` ``[M, 2]`` of PIT values are independent uniforms, aimed at random
+    numbers shared or misrouted between requests, which put the two values close together:
+    for independent uniforms D = |v₁ − v₂| has density 2(1 − d), so W = 1 − (1 − D)² is U[0, 1);
+    W is tested per stratum by :func:`uniformity_fit` (a reused uniform piles W near 0)."""
+    d = (pairs[:, 0].to(torch.float64) - pairs[:, 1].to(torch.float64)).abs()
+    return uniformity_fit(1 - (1 - d) ** 2, strata)
+
+
+def _strata_bins(counts: list[int], bins: int) -> list[int]:
+    return [min(bins, int(c // MIN_EXPECTED)) for c in counts]
+
+
+def uniformity_fit(values: Tensor, strata: Tensor, impossible: int = 0, bins: int = PIT_BINS) -> FitResult:
+    """Chi-square test that ``values`` are U[0, 1) within each stratum.
+
+    A stratum with m values gets min(bins, m/5) equal-width bins (expected count ≥ 5); strata too
+    small for two bins are pooled into one (the values are uniform in every stratum, so in their
+    union too)."""
+    values = values.to(torch.float64)
+    strata = strata.to(torch.long)
+    n = int(values.numel())
+    if n == 0:
+        return FitResult(0, 0, 0.0, 1, 1.0, 0.0, impossible, 0.0)
+    ids, inverse, counts = torch.unique(strata, return_inverse=True, return_counts=True)
+    nb = _strata_bins(counts.tolist(), bins)
+    small = torch.tensor([b < 2 for b in nb])
+    pooled = small[inverse]
+    groups = [(inverse == i) for i in range(len(ids)) if not small[i]]
+    if bool(pooled.any()):
+        groups.append(pooled)
+    statistic, df, cells, dev = 0.0, 0, 0, 0.0
+    for mask in groups:
+        v = values[mask]
+        b = min(bins, int(v.numel() // MIN_EXPECTED))
+        if b < 2:
+            continue
+        observed = torch.bincount((v * b).to(torch.long).clamp(max=b - 1), minlength=b).to(torch.float64)
+        expected = v.numel() / b
+        statistic += float(((observed - expected) ** 2).sum() / expected)
+        dev += float((observed - expected).abs().sum())
+        df += b - 1
+        cells += b
+    p_value = chi2_sf(statistic, df) if df else 1.0
+    return FitResult(n, cells, statistic, max(df, 1), p_value, dev / (2 * n), impossible)
+
+
+def bernoulli_fit(prob: Tensor, outcome: Tensor, bins: int = 10) -> FitResult:
+    """Test that events ``outcome`` ``[M]`` (bool) happen with the declared ``prob`` ``[M]``.
+
+    An event that happens at probability 0, or fails at probability 1, is impossible.  The rest
+    are binned by probability; each bin with Σ a(1 − a) ≥ 2.5 contributes one z², the others are
+    pooled into one more bin when that pool is large enough.  The TV reported is the mean
+    |observed − declared| acceptance rate, and a shift t of every probability gives
+    λ = t²·Σ_b n_b² / V_b — the information of the test."""
+    a = prob.to(torch.float64).clamp(0.0, 1.0)
+    hit = outcome.to(torch.bool)
+    impossible = int(((a <= 0) & hit).sum() + ((a >= 1) & ~hit).sum())
+    live = (a > 0) & (a < 1)
+    a, hit = a[live], hit[live].to(torch.float64)
+    n = int(a.numel())
+    if n == 0:
+        return FitResult(0, 0, 0.0, 1, 1.0, 0.0, impossible, 0.0)
+    b = (a * bins).to(torch.long).clamp(max=bins - 1)
+    obs = torch.zeros(bins, dtype=torch.float64).index_add_(0, b, hit)
+    exp = torch.zeros(bins, dtype=torch.float64).index_add_(0, b, a)
+    var = torch.zeros(bins, dtype=torch.float64).index_add_(0, b, a * (1 - a))
+    cnt = torch.bincount(b, minlength=bins).to(torch.float64)
+    keep = var >= 2.5
+    rest = ~keep & (cnt > 0)
+    o, e, v, c = obs[keep], exp[keep], var[keep], cnt[keep]
+    if bool(rest.any()) and float(var[rest].sum()) >= 2.5:
+        o, e, v, c = (torch.cat([t, s[rest].sum().reshape(1)]) for t, s in ((o, obs), (e, exp), (v, var), (c, cnt)))
+    if v.numel() == 0:
+        return FitResult(n, 0, 0.0, 1, 1.0, 0.0, impossible, 0.0)
+    statistic = float(((o - e) ** 2 / v).sum())
+    df = int(v.numel())
+    return FitResult(n, df, statistic, df, chi2_sf(statistic, df), float((o - e).abs().sum()) / n, impossible,
+                     float((c ** 2 / v).sum()))
+
+
+def detectable_tv(fit: FitResult, alpha: float, screen: float | None = None, factor: int = 10,
+                  detect: float = DETECT) -> float:
+    """The smallest deviation t (in the test's own units: TV on its cells, or an acceptance
+    shift) that the test detects with probability ≥ ``detect``.
+
+    With ``screen``, the two-stage rule of the suite: a statistic with p < ``screen`` at n samples
+    is measured again on ``factor``·n fresh samples and fails if p < ``alpha`` there; the chance
+    of detection is then the product of the two stages' powers.  Degrees of freedom are those of
+    the first stage.  ``inf`` when the test saw no data."""
+    if fit.info <= 0:
+        return math.inf
+
+    def detected(t: float) -> float:
+        lam = fit.info * t * t
+        if screen is None:
+            return power(fit.df, lam, alpha)
+        return power(fit.df, lam, screen) * power(fit.df, factor * lam, alpha)
+
+    lo, hi = 0.0, 1e-3
+    while detected(hi) < detect:
+        hi *= 2
+        if hi > 1e3:
+            return math.inf
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if detected(mid) < detect else (lo, mid)
+    return hi

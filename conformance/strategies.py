@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
+
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
@@ -21,10 +23,10 @@ from specforge_conformance.harness import Case
 
 __all__ = ["case_strategy", "draw_cases", "params_strategy"]
 
-# The first entry of each list is what hypothesis's simplest example uses.  T = 0 is drawn one
-# time in five: every speculative combination is also checked at T = 0 token for token by the
-# deterministic greedy-parity check, and a point mass is a weak statistical case.
-TEMPERATURES = (1.0, 1.5, 0.8, 1.2, 0.0)
+# The first entry of each list is what hypothesis's simplest example uses.  T = 0 is not drawn
+# (except for greedy-only verifiers): a point mass is a vacuous statistical case, and every
+# speculative combination is checked at T = 0 token for token by the greedy-parity check.
+TEMPERATURES = (1.0, 1.5, 0.8, 1.2)
 TOP_K = (0, 3, 6)
 TOP_P = (1.0, 0.8, 0.95)
 BATCHES = (64, 32, 200)
@@ -44,8 +46,11 @@ def params_strategy(host: PluginHost, kind: ComponentKind, name: str) -> st.Sear
 
 
 def case_strategy(host: PluginHost, combo: Combination, n: int) -> st.SearchStrategy[Case]:
-    """Cases of ``combo`` at sample size ``n`` (well-conditioned ones only: see
+    """Cases of ``combo`` at sample size ``n``, horizon, vocabulary and N then set by
+    :func:`~specforge_conformance.probes.size_case` (well-conditioned ones only: see
     :data:`specforge_conformance.exact.MARGIN`)."""
+    from specforge_conformance.probes import size_case
+
     pipeline = {slot: (st.just(None) if name is None else
                        params_strategy(host, ComponentKind(slot), name).map(lambda p, name=name: (name, p)))
                 for slot, name in combo.to_dict().items()}
@@ -66,8 +71,9 @@ def case_strategy(host: PluginHost, combo: Combination, n: int) -> st.SearchStra
         horizon=st.sampled_from(HORIZONS),
         n=st.just(n),
         seed=st.integers(0, 2**40),
+        threads=st.just(torch.get_num_threads()),
     )
-    return strategy.filter(lambda case: case.law().well_conditioned)
+    return strategy.map(lambda case: size_case(case, n)).filter(lambda case: case.law().well_conditioned)
 
 
 def draw_cases(strategy: st.SearchStrategy[Case], count: int, key: str) -> list[Case]:

@@ -6,26 +6,33 @@ Two tiers:
           components that can meet does meet (pairwise covering) — the CI tier;
 ``full``  N = 2·10⁵ per case, three cases per combination, every compatible combination.
 
-The significance level α = 10⁻⁶ is for the whole run: each of the k statistical cases is tested
-at α/k (Bonferroni), and a rejected case is re-run at 10·N before it is reported.  Combinations
-that declare themselves unfit (a lossy verifier, a confidence estimator that is not pre-token)
-are listed as such and never certified.  The suite's probe drafters (``random``, ``shadow``) are
-added to whatever the host has registered, so the verifiers' sampling path is exercised even
-when only deterministic drafters are installed.
+Both tiers first run every component in play through the probe cases of its kind
+(:mod:`specforge_conformance.probes`) and its own deterministic checks (a verifier's declared law,
+a scheduler's causality), then the combinations.  The significance level α = 10⁻⁶ is for the whole
+run: each of the k cases is tested at α/k and each of its statistics at α/(k·6) (Bonferroni); a
+case that looks suspicious is measured again at 10·N before it is reported.  Combinations that
+declare themselves unfit (a lossy verifier, a confidence estimator that is not pre-token) are
+listed as such and never certified.  The suite's probe drafters (``random``, ``shadow``) are added
+to whatever the host has registered, so the verifiers' sampling path is exercised even when only
+deterministic drafters are installed.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+
 from specforge.plugins import PluginHost
+from specforge.registry import ComponentKind
 from specforge_conformance import drafters as probe_drafters
+from specforge_conformance import probes
 from specforge_conformance.combos import Combination, certification_blocker, combinations, covering_set
-from specforge_conformance.deterministic import Check, deterministic_checks, non_finite
-from specforge_conformance.harness import Case, CaseResult, check_case
+from specforge_conformance.deterministic import Check, component_checks, deterministic_checks
+from specforge_conformance.harness import STATISTICS, Case, CaseResult, check_case
 from specforge_conformance.strategies import case_strategy, draw_cases
 
 __all__ = ["TIERS", "ComboReport", "SuiteReport", "Tier", "run_suite", "suite_host"]
@@ -51,17 +58,19 @@ def suite_host(host: PluginHost | None = None) -> PluginHost:
     """``host`` (default: a fresh host with every installed plug-in) plus the probe drafters."""
     host = (host or PluginHost()).load()
     host.add_plugin(probe_drafters, PROBE_PLUGIN, package="specforge-lossless (conformance)")
+    host.add_plugin(probes, PROBE_PLUGIN + "-parts", package="specforge-lossless (conformance)")
     return host
 
 
 @dataclass
 class ComboReport:
     combination: Combination
-    status: str  # certified | failed | lossy | not-certifiable | error
+    status: str  # certified | failed | lossy | not-certifiable | error | not run
     reason: str = ""
     results: list[CaseResult] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
-    label: str | None = None  # set for rows that stand for a group of untested combinations
+    label: str | None = None  # set for rows that stand for a group of untested combinations or a probe
+    role: str | None = None  # for a probe row: the kind of the component under test
 
     @property
     def title(self) -> str:
@@ -76,6 +85,7 @@ class ComboReport:
             "combination": self.combination.to_dict(),
             "label": self.title,
             "status": self.status,
+            "role": self.role,
             "reason": self.reason,
             "cases": [r.to_dict() for r in self.results],
             "checks": [c.to_dict() for c in self.checks],
@@ -87,13 +97,13 @@ class SuiteReport:
     tier: str
     alpha: float
     combos: list[ComboReport]
-    verifier_checks: dict[str, Check]
+    component_checks: dict[str, list[Check]]  # "kind name" -> its own deterministic checks
     seconds: float
     seed: int
 
     @property
     def passed(self) -> bool:
-        return all(c.ok for c in self.combos) and all(c.passed for c in self.verifier_checks.values())
+        return all(c.ok for c in self.combos) and all(k.passed for ks in self.component_checks.values() for k in ks)
 
     def assert_passed(self) -> None:
         """Raise ``AssertionError`` with the table and the reproduction lines if anything failed."""
@@ -108,48 +118,87 @@ class SuiteReport:
             "tier": self.tier, "alpha": self.alpha, "seed": self.seed, "passed": self.passed,
             "seconds": round(self.seconds, 1),
             "combinations": [c.to_dict() for c in self.combos],
-            "verifiers": {name: c.to_dict() for name, c in self.verifier_checks.items()},
+            "components": {name: [k.to_dict() for k in ks] for name, ks in self.component_checks.items()},
+            "detectable": self.detectable_by_kind(),
         }
 
+    def detectable_by_kind(self) -> dict[str, dict[str, float]]:
+        """Per component kind under test and statistic, the largest (worst) minimum detectable
+        effect over the cases that tested that kind — what this run could not have missed."""
+        out: dict[str, dict[str, float]] = {}
+        for c in self.combos:
+            kinds = [c.role] if c.role else ["pipeline"]
+            for r in c.results:
+                for stat, t in r.detectable().items():
+                    for kind in kinds:
+                        if math.isfinite(t):
+                            book = out.setdefault(kind, {})
+                            book[stat] = max(book.get(stat, 0.0), t)
+        return out
+
     def table(self) -> str:
-        """A plain-text table, one line per combination."""
-        rows = [("combination", "status", "N", "max TV", "min p", "τ", "checks")]
+        """A plain-text table, one line per combination or probe; then the minimum detectable
+        effects per kind."""
+        rows = [("combination", "status", "N", "τ", "min p (statistic)", "MDE seq", "checks")]
         for c in self.combos:
             if c.results:
                 n = max(r.case.n for r in c.results)
-                tv = max(r.fit.tv for r in c.results)
-                p = min(r.fit.p_value for r in c.results)
+                worst = min(c.results, key=lambda r: r.min_p)
+                stat = min(worst.tests, key=lambda k: worst.tests[k].p_value) if worst.tests else "sequence"
                 tau = sum(r.tau for r in c.results) / len(c.results)
-                stats = (f"{n:,}", f"{tv:.4f}", f"{p:.3g}", f"{tau:.2f}")
+                mde = max(r.detectable().get("sequence", math.inf) for r in c.results)
+                stats = (f"{n:,}", f"{tau:.2f}", f"{worst.min_p:.3g} ({stat})", f"{mde:.3f}")
             else:
                 stats = ("-", "-", "-", "-")
             checks = "ok" if c.checks and all(k.passed for k in c.checks) else (
                 "-" if not c.checks else "FAIL: " + ", ".join(k.name for k in c.checks if not k.passed))
             rows.append((c.title, c.status, *stats, checks))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        bad = [f"verifier {n}: {c.detail}" for n, c in self.verifier_checks.items() if not c.passed]
-        return "\n".join(lines + bad)
+        lines = _columns(rows)
+        for name, ks in self.component_checks.items():
+            for k in ks:
+                lines.append(f"{name}: {k.name} {'ok' if k.passed else 'FAILED'} — {k.detail}")
+        return "\n".join(lines) + "\n\n" + self.detectable_table()
+
+    def detectable_table(self) -> str:
+        """What the run detects with probability ≥ 99 %, per kind under test: the worst case's
+        minimum detectable TV (an acceptance-probability shift for ``acceptance``)."""
+        book = self.detectable_by_kind()
+        if not book:
+            return ""
+        stats = [s for s in STATISTICS if any(s in b for b in book.values())]
+        rows = [("tested as", *stats)]
+        for kind, b in book.items():
+            rows.append((kind, *(f"{b[s]:.3f}" if s in b else "-" for s in stats)))
+        return ("minimum detectable effect (≥ 99 % power, worst case per kind; '-': statistic not applicable)\n"
+                + "\n".join(_columns(rows)))
 
     def explain(self) -> str:
         """What failed and how to reproduce it."""
         out = []
         for c in self.failures():
-            out.append(f"FAILED {c.title}: {c.reason}")
+            out.append(f"{'NOT RUN' if c.status == 'not run' else 'FAILED'} {c.title}: {c.reason}")
             for r in c.results:
                 if r.failed:
                     out.append(f"  reproduce: specforge conformance --case '{r.case.to_json()}'")
             for k in c.checks:
                 if not k.passed:
                     out.append(f"  {k.name}: {k.detail}")
+        for name, ks in self.component_checks.items():
+            out.extend(f"FAILED {name}: {k.name}: {k.detail}" for k in ks if not k.passed)
         return "\n".join(out)
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
 
 
 def plan(host: PluginHost, tier: Tier, plugins: Iterable[str] = ()) -> tuple[list[Combination], list[ComboReport]]:
     """(combinations to test, combinations reported without testing)."""
     wanted = set(plugins)
-    combos = combinations(host)
+    combos = [c for c in combinations(host) if not c.involves(set(probes.PROBE_ONLY))]
     if wanted:
         known = {name for c in combos for _, name in c.items()}
         missing = sorted(wanted - known)
@@ -175,47 +224,106 @@ def plan(host: PluginHost, tier: Tier, plugins: Iterable[str] = ()) -> tuple[lis
     return chosen, untested
 
 
+def components_in_play(host: PluginHost, combos: Iterable[Combination], plugins: Iterable[str] = ()
+                       ) -> list[tuple[ComponentKind, str]]:
+    """(kind, name) of every component to probe: the named ones, or every one in ``combos``
+    (the suite's own probe parts excepted)."""
+    wanted = set(plugins)
+    seen: list[tuple[ComponentKind, str]] = []
+    for combo in combos:
+        for slot, name in combo.items():
+            item = (ComponentKind(slot), name)
+            if item in seen or name in probes.PROBE_ONLY or (wanted and name not in wanted):
+                continue
+            if item[0] is ComponentKind.DRAFTER and name in ("random", "shadow"):
+                continue
+            seen.append(item)
+    return seen
+
+
+@dataclass
+class _Job:
+    report: ComboReport
+    cases: list[Case]
+    pipeline_checks: bool  # run the deterministic checks of the pipeline of cases[0]
+
+
 def run_suite(host: PluginHost | None = None, tier: str = "fast", plugins: Iterable[str] = (),
               alpha: float = ALPHA, seed: int = 0, n: int | None = None,
-              progress: Callable[[str], None] | None = None, deterministic: bool = True) -> SuiteReport:
-    """Check every selected combination; see the module docstring."""
+              progress: Callable[[str], None] | None = None, deterministic: bool = True,
+              fail_fast: bool = False, max_seconds: float | None = None) -> SuiteReport:
+    """Probe every component in play, then check every selected combination; see the module
+    docstring.  ``fail_fast`` stops at the first failure, ``max_seconds`` starts nothing new once
+    that much time is spent; what was not run is reported as ``not run`` (and the run does not
+    pass)."""
     start = time.perf_counter()
     host = suite_host(host)
     spec = TIERS[tier]
     chosen, untested = plan(host, spec, plugins)
     size = n or spec.n
-    drawn = [(combo, draw_cases(case_strategy(host, combo, size), spec.cases_per_combination,
-                                f"{seed}:{combo.label()}")) for combo in chosen]
-    total = sum(len(cases) for _, cases in drawn)
+    jobs, component_results = [], {}
+    for kind, name in components_in_play(host, chosen + [c.combination for c in untested], plugins):
+        title = f"{kind.value.replace('_', ' ')} {name}"
+        own = component_checks(kind, name, host) if deterministic else []
+        if own:
+            component_results[title] = own
+        cases = probes.probe_cases(host, kind, name, size, seed)
+        if cases:
+            jobs.append(_Job(ComboReport(cases[0].combination, "certified", label=f"probes of {title}",
+                                         role=kind.value), cases, False))
+    if fail_fast and any(not k.passed for ks in component_results.values() for k in ks):
+        jobs_stop = "--fail-fast: a component's own check failed"
+    else:
+        jobs_stop = ""
+    for combo in chosen:
+        cases = draw_cases(case_strategy(host, combo, size), spec.cases_per_combination, f"{seed}:{combo.label()}")
+        jobs.append(_Job(ComboReport(combo, "certified"), cases, deterministic and not combo.plain))
+    total = sum(len(j.cases) for j in jobs)
     per_case = alpha / max(total, 1)
-    reports = []
     bar = _progress(total, progress)
-    for combo, cases in drawn:
-        report = ComboReport(combo, "certified")
+    stop = jobs_stop
+    for job in jobs:
+        report = job.report
+        if stop:
+            report.status, report.reason = "not run", stop
+            continue
         try:
-            for case in cases:
+            for case in job.cases:
                 result = check_case(case, host, per_case)
                 report.results.append(result)
-                bar(f"{combo.label()}: p={result.fit.p_value:.3g}")
-            if deterministic and not combo.plain:
-                report.checks = deterministic_checks(cases[0], host)
+                bar(f"{report.title}: p={result.min_p:.3g}")
+            if job.pipeline_checks:
+                report.checks = deterministic_checks(job.cases[0], host)
         except Exception as exc:  # noqa: BLE001 - a broken plug-in is reported, not fatal
             report.status, report.reason = "error", f"{type(exc).__name__}: {exc}"
         else:
             failed = [r for r in report.results if r.failed]
             bad_checks = [k for k in report.checks if not k.passed]
             if failed:
-                worst = min(failed, key=lambda r: r.fit.p_value)
-                report.status = "failed"
-                report.reason = (f"output law differs from the target's: p = {worst.fit.p_value:.3g} at N = "
-                                 f"{worst.case.n:,} and p = {worst.rerun.fit.p_value:.3g} at N = "
-                                 f"{worst.rerun.case.n:,} (level {per_case:.2g}), TV = {worst.fit.tv:.4f}")
+                report.status, report.reason = "failed", _failure(failed)
             elif bad_checks:
                 report.status, report.reason = "failed", "; ".join(f"{k.name}: {k.detail}" for k in bad_checks)
-        reports.append(report)
-    verifiers = sorted({c.verifier for c in chosen} | {c.combination.verifier for c in untested})
-    checks = {name: non_finite(name, host) for name in verifiers}
-    return SuiteReport(tier, alpha, reports + untested, checks, time.perf_counter() - start, seed)
+        if fail_fast and report.status in ("failed", "error"):
+            stop = f"--fail-fast: stopped after {report.title} failed"
+        elif max_seconds is not None and time.perf_counter() - start > max_seconds:
+            stop = f"--max-seconds {max_seconds:g} spent"
+    return SuiteReport(tier, alpha, [j.report for j in jobs] + untested, component_results,
+                       time.perf_counter() - start, seed)
+
+
+def _failure(failed: list[CaseResult]) -> str:
+    """Why the worst failed case failed, statistic by statistic."""
+    worst = min(failed, key=lambda r: r.rerun.min_p if r.rerun else 0.0)
+    impossible = [k for k, f in worst.tests.items() if f.impossible]
+    if impossible:
+        f = worst.tests[impossible[0]]
+        return (f"{impossible[0]}: {f.impossible} draw(s) of probability 0 at N = {worst.case.n:,} "
+                f"(a token the declared law cannot produce)")
+    again = worst.rerun
+    names = again.rejected()
+    parts = [f"{k}: p = {worst.tests[k].p_value:.3g} at N = {worst.case.n:,}, p = {again.tests[k].p_value:.3g} "
+             f"at N = {again.case.n:,}, TV = {again.tests[k].tv:.4f}" for k in names if k in worst.tests]
+    return f"{', '.join(names)} differ(s) from the exact law (level {again.level:.2g}): " + "; ".join(parts)
 
 
 def _progress(total: int, sink: Callable[[str], None] | None):

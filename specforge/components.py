@@ -97,7 +97,29 @@ class VerifyOutput:
 
 @runtime_checkable
 class Verifier(Protocol):
-    """Accepts a prefix of each request's draft and emits one more token from the target."""
+    """Accepts a prefix of each request's draft and emits one more token from the target.
+
+    **Non-finite input.**  NaN or ±inf in a row the verifier uses — target logits rows 0..ℓ_r,
+    draft probabilities of slots 0..ℓ_r−1, or a warped row that overflows — must raise
+    :class:`specforge.sampling.NonFiniteError` with ``request`` (the batch row) and ``position``
+    (the row index) of the first bad row; the engine then fails that request alone and verifies
+    the rest.  The same garbage in rows past ℓ_r must be ignored (they are padding).
+    :func:`specforge.sampling.check_logits` and :func:`~specforge.sampling.check_probs` do both.
+    The conformance suite checks it (docs/conformance.md).
+
+    **Declared per-position law (optional).**  A verifier whose rule is per position — accept draft
+    x_k with some probability, else emit a sample of a residual law — may state that rule as two
+    methods on warped laws (``p`` from :func:`specforge.sampling.warp` of the target logits, ``q``
+    the draft law or ``None`` for one-hot, ``x`` the draft ids; leading dimensions broadcast):
+
+    * ``accept_probability(p [..., V], q [..., V] | None, x [...]) -> [...]``;
+    * ``residual(p, q, x) -> [..., V]``, the law of the emitted token given that x was rejected.
+
+    The conformance suite then checks that the stated rule is lossless (exactly, on stress laws)
+    and that ``verify`` realises it round by round (acceptance rates and the law of each emitted
+    token), which detects much smaller mistakes than the law of the output alone.  Every shipped
+    verifier states its rule (``specforge_plugins.verifiers.BaseVerifier``).
+    """
 
     def verify(
         self,
@@ -324,6 +346,15 @@ class Drafter(Protocol):
         """Called once with the target adapter before the first round (shared embeddings, vocab).
         ``feature_layers`` is read after this call, so a drafter may choose its layers from the
         target's depth here.
+
+        What a drafter may read from ``target`` (a :class:`specforge.target.TargetModel`):
+        ``vocab_size``, ``max_positions``, ``dtype``, ``eos_ids``, ``name``, ``args`` (the
+        architecture: ``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``, …),
+        ``runtime`` (the runtime transformer, for its frozen token embedding and LM head — share
+        them, never train or modify them), ``hf_model`` (the float32 Hugging Face model, for
+        oracles and tests; slow) and ``encode``/``decode``.  Nothing may be written to the
+        target, and no forward pass of it belongs in ``bind``: the target's hidden states reach a
+        drafter through ``feature_layers`` and :class:`DraftContext.features` only.
 
         A drafter whose checkpoint also holds trained weights of other components of the round (a
         correction head, a confidence head) may define ``companion_weights() -> dict[str,

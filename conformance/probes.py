@@ -1,0 +1,247 @@
+"""Probe cases: the pipelines in which each kind of component meets the mechanism it could break.
+
+A drawn case of the pairwise-covering set certifies nothing when it cannot reach the mechanism —
+a threshold above every confidence verifies nothing, a two-token horizon leaves no room for a
+rejection after an accepted draft, T = 0 is a point mass.  So every component under test also runs
+in *probe cases* built for its kind, around it only suite-owned parts whose behaviour is known:
+
+========== ==================================================================================
+kind       probe cases (horizon 4, vocabulary 8, T = 1 unless said)
+========== ==================================================================================
+verifier   ``shadow`` with a per-position spike (long accepted prefixes, rejections at every
+           depth, residuals far apart between positions); ``random`` with one-hot drafts at
+           T = 1.2, top-k 6 (the deterministic-draft path)
+drafter    the drafter with ``rejection`` and ``fixed`` at T = 1, and at T = 0.8 with top-p 0.9
+           (its reported q checked slot by slot by the draft-law statistic)
+confidence ``random`` (sequential, peaked) → the estimator → ``probe-median``: a slot is verified
+           when its confidence is at least the batch's median there — so a confidence that reads
+           x_k decides on x_k
+calibrator the same, with ``probe-prev`` confidence and the calibrator between
+scheduler  ``random`` → ``probe-prev`` (c_k a strong function of x_{k−1}, so a rule that reads a
+           later slot reads the token) → the scheduler at batch 32, with the declared parameter
+           set that verifies closest to half of the drafted slots in a short pilot run
+========== ==================================================================================
+
+The sample size and vocabulary come from a power calculation (:func:`size_case`).  The probe
+components below are registered with the probe drafters and never enter the combinations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from specforge import hookimpl
+from specforge.components import DraftBlock
+from specforge.config import DEFAULT_COMPONENTS
+from specforge.plugins import PluginHost
+from specforge.registry import ComponentKind
+from specforge_conformance.exact import FAMILIES
+from specforge_conformance.harness import Case
+from specforge_conformance.stats import FitResult, detectable_tv, merge_cells
+
+__all__ = ["PROBE_ONLY", "MedianScheduler", "PrevTokenConfidence", "probe_cases", "size_case"]
+
+PROBE_ONLY = frozenset({"probe-prev", "probe-median"})  # suite parts, never certified themselves
+HORIZON = 4
+MAX_CELLS = 4096  # V^horizon: the sequence law of a probe stays resolvable at N = 2·10⁴
+TARGET_TV = 0.08  # size_case doubles N when the sequence statistic cannot detect this (a safety net)
+VOCABS = (8, 12, 16, 24)
+
+
+class PrevTokenConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    seed: int = Field(7, description="seed of the token → confidence table")
+
+
+class PrevTokenConfidence:
+    """c_k = t[x_{k−1}] (x_0 the anchor), t a fixed table spread over [0.05, 0.95].  Pre-token,
+    as the contract requires — but a strong function of the previous token, so any rule that
+    decides slot k from slot k+1 decides it from x_k."""
+
+    def __init__(self, config: PrevTokenConfig | None = None) -> None:
+        self.config = config or PrevTokenConfig()
+        self.table: Tensor | None = None
+
+    def bind(self, target) -> None:
+        gen = torch.Generator().manual_seed(self.config.seed)
+        v = target.vocab_size
+        self.table = (0.05 + 0.9 * torch.randperm(v, generator=gen).to(torch.float32) / max(v - 1, 1))
+
+    def estimate(self, block: DraftBlock) -> Tensor:
+        r = block.tokens.shape[0]
+        anchor = block.anchor if block.anchor is not None else torch.zeros(r, dtype=torch.long)
+        prev = torch.cat([anchor.view(r, 1), block.tokens[:, :-1]], 1)
+        return self.table[prev]
+
+
+class MedianConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MedianScheduler:
+    """Verify the leading slots whose confidence is at least the batch median at that slot (among
+    requests that have it).  Causal: other requests' confidences do not depend on this request's
+    x_k.  It puts the decision where the estimator's values vary, whatever their range."""
+
+    def __init__(self, config: MedianConfig | None = None) -> None:
+        self.config = config
+
+    def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
+        r, g = confidence.shape
+        valid = torch.arange(g)[None, :] < available[:, None]
+        c = torch.where(valid, confidence.to(torch.float64), torch.nan)
+        median = torch.nanquantile(c, 0.5, dim=0, keepdim=True) if r else c
+        keep = valid & (c >= median)
+        return torch.cumprod(keep.to(torch.long), 1).sum(1)
+
+
+@hookimpl
+def specforge_register_confidence_estimators(register):
+    register("probe-prev", PrevTokenConfidence, config=PrevTokenConfig, pre_token=True,
+             description="TEST ONLY: a pre-token confidence that is a strong function of x_{k-1}")
+
+
+@hookimpl
+def specforge_register_schedulers(register):
+    register("probe-median", MedianScheduler, config=MedianConfig, reads=("confidence",),
+             description="TEST ONLY: verify while c_k is at least the batch median at slot k")
+
+
+# --- the cases -----------------------------------------------------------------------------------
+
+_DEFAULTS = {kind.value: (DEFAULT_COMPONENTS[kind], {}) for kind in ComponentKind
+             if kind is not ComponentKind.VERIFIER}
+_REJECTION = ("rejection", {})
+_SPIKY = ("shadow", {"gamma": 3, "temperature": 1.0, "noise": 0.05, "spike": 0.3})
+_SEQUENTIAL = ("random", {"gamma": 3, "sharpness": 2.0})
+
+
+def _pipeline(**slots) -> dict:
+    out = {**_DEFAULTS, "verifier": _REJECTION}
+    out.update(slots)
+    return out
+
+
+def _example(host: PluginHost, kind: ComponentKind, name: str, seed: int) -> dict:
+    examples = host.get(kind, name).metadata.examples or ({},)
+    return dict(examples[seed % len(examples)])
+
+
+def probe_cases(host: PluginHost, kind: ComponentKind, name: str, n: int, seed: int = 0) -> list[Case]:
+    """The probe cases of component ``name`` of ``kind`` (empty for kinds without probes and for
+    the suite's own parts), sized by :func:`size_case`."""
+    if name in PROBE_ONLY:
+        return []
+    meta = host.get(kind, name).metadata
+    mine = (name, _example(host, kind, name, seed))
+    if kind is ComponentKind.VERIFIER:
+        if not meta.lossless:
+            return []
+        spiky = Case(pipeline=_pipeline(drafter=_SPIKY, verifier=mine), batch=256)
+        if meta.greedy_only:
+            return [_finish(replace(spiky, temperature=0.0), n, seed, "verifier")]
+        onehot = Case(pipeline=_pipeline(drafter=("random", {"gamma": 3, "sharpness": 1.0, "deterministic": True}),
+                                         verifier=mine), temperature=1.2, top_k=6, batch=256)
+        return [_finish(spiky, n, seed, "verifier"), _finish(onehot, n, seed + 1, "verifier")]
+    if kind is ComponentKind.DRAFTER:
+        if name in ("random", "shadow"):
+            return []
+        pipeline = _pipeline(drafter=mine)
+        if meta.uses_correction_head:
+            pipeline["correction_head"] = ("none", {})
+        return [_finish(Case(pipeline=pipeline, batch=256), n, seed, "drafter"),
+                _finish(Case(pipeline=pipeline, batch=256, temperature=0.8, top_p=0.9), n, seed + 1, "drafter")]
+    if kind is ComponentKind.CONFIDENCE:
+        if not meta.pre_token:
+            return []
+        slots = _sequential_for(host, set(meta.needs_any))
+        if slots is None:
+            return []  # nothing registered feeds it; the covering set still pairs it
+        return [_finish(Case(pipeline=_pipeline(**slots, confidence=mine, scheduler=("probe-median", {})),
+                             batch=32), n, seed, "confidence")]
+    if kind is ComponentKind.CALIBRATOR:
+        return [_finish(Case(pipeline=_pipeline(drafter=_SEQUENTIAL, confidence=("probe-prev", {}), calibrator=mine,
+                                                scheduler=("probe-median", {})), batch=32), n, seed, "calibrator")]
+    if kind is ComponentKind.SCHEDULER:
+        cases = [_finish(Case(pipeline=_pipeline(drafter=_SEQUENTIAL, confidence=("probe-prev", {}),
+                                                 scheduler=(name, dict(e))), batch=32), n, seed, "scheduler")
+                 for e in (meta.examples or ({},))]
+        return [_most_selective(cases, host)]
+    return []
+
+
+def _most_selective(cases: list[Case], host: PluginHost, pilot: int = 160) -> Case:
+    """The case whose scheduler verifies closest to half of the drafted slots in a short pilot
+    run: a parameter set under which it verifies everything or nothing decides nothing (a
+    step curve that admits no draft at this batch size, a threshold above every confidence)."""
+    if len(cases) == 1:
+        return cases[0]
+    from specforge_conformance.harness import run_case
+
+    def balance(case: Case) -> float:
+        r = run_case(replace(case, n=pilot), host)
+        return abs(r.verified / max(r.drafted, 1) - 0.5)
+    return min(cases, key=balance)
+
+
+def _sequential_for(host: PluginHost, needs: set[str]) -> dict | None:
+    """A sequential drafter (q_{k+1} depends on x_k) that fills one of ``needs``: the ``random``
+    probe when the estimator reads q or logits, else a registered drafter that provides the field,
+    with a non-identity correction head so that its laws are sequential too."""
+    if not needs or needs & {"probs", "logits"}:
+        return {"drafter": _SEQUENTIAL}
+    for name in host.names(ComponentKind.DRAFTER):
+        meta = host.get(ComponentKind.DRAFTER, name).metadata
+        if name in ("random", "shadow") or not needs & set(meta.provides):
+            continue
+        slots = {"drafter": (name, _example(host, ComponentKind.DRAFTER, name, 0))}
+        if meta.uses_correction_head:
+            heads = [h for h in host.names(ComponentKind.CORRECTION_HEAD)
+                     if not host.get(ComponentKind.CORRECTION_HEAD, h).metadata.identity]
+            if heads:
+                slots["correction_head"] = (heads[0], _example(host, ComponentKind.CORRECTION_HEAD, heads[0], 0))
+        return slots
+    return None
+
+
+def _finish(case: Case, n: int, seed: int, role: str) -> Case:
+    """A well-conditioned target for the probe (seeded), sized by :func:`size_case`."""
+    base = int.from_bytes(hashlib.sha256(f"{seed}:{role}:{case.combination.label()}".encode()).digest()[:4], "big")
+    for attempt in range(50):
+        candidate = replace(case, family=FAMILIES[(base + attempt) % len(FAMILIES)],
+                            target_seed=(base + attempt) % 10_000, seed=(base * 7919 + attempt) % 2**40,
+                            prompt=(3, 5, 7, 3, 5), threads=torch.get_num_threads())
+        candidate = size_case(candidate, n)
+        if candidate.law().well_conditioned:
+            return candidate
+    raise RuntimeError(f"no well-conditioned target found for the probe of {case.combination.label()}")
+
+
+def size_case(case: Case, n: int, horizon: int | None = None) -> Case:
+    """Horizon, vocabulary and N from a power calculation.
+
+    The horizon leaves room for a whole block and its bonus in the first round (γ + 1, at most 4);
+    among the vocabularies whose V^horizon cells stay within :data:`MAX_CELLS`, the one whose
+    sequence statistic has the smallest worst-case minimum detectable TV at N; N is the tier's,
+    doubled when even that one exceeds :data:`TARGET_TV`."""
+    gamma = int(dict(case.pipeline["drafter"][1]).get("gamma", 3)) if case.pipeline.get("drafter") else 1
+    h = horizon or max(2, min(HORIZON, gamma + 1))
+    sized = [replace(case, horizon=h, vocab=v, n=n) for v in VOCABS if v ** h <= MAX_CELLS]
+    scored = [(sequence_detectable(c.law().probs, n), c) for c in sized if c.law().well_conditioned]
+    if not scored:
+        return sized[0]  # the caller filters ill-conditioned cases
+    mde, best = min(scored, key=lambda t: t[0])
+    return best if mde <= TARGET_TV else replace(best, n=2 * n)
+
+
+def sequence_detectable(law: Tensor, n: int, alpha: float = 1e-6 / 120) -> float:
+    """The sequence statistic's worst-case minimum detectable TV at ``n`` samples of ``law`` (one
+    stage, at a typical fast-tier per-statistic level)."""
+    group = merge_cells(law, n)
+    df = max(int(group.max()) + 1 - 1, 1)
+    return detectable_tv(FitResult(n, df + 1, 0.0, df, 1.0, 0.0, 0), alpha)
