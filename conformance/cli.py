@@ -197,7 +197,7 @@ def _run_controls(args: argparse.Namespace) -> int:
             _write(args.out, {"controls": [r.to_dict() for r in done], "passed": all(r.ok for r in done),
                               "complete": False})
 
-    reports = run_controls(args.controls or None, seeds=seeds, n=args.n or 20_000,
+    reports = run_controls(args.controls or None, seeds=seeds, n=args.n,
                            progress=lambda m: print(m, file=sys.stderr), on_report=partial)
     ok = all(r.ok for r in reports)
     text = controls_table(reports) + f"\n\n{'every control rejected on every seed' if ok else 'SOME CONTROL SURVIVED'}"

@@ -194,6 +194,8 @@ def declared_law(verifier_name: str, host: PluginHost, vocab: int = 12) -> Check
     verifier = reg.create()
     if not declares_law(verifier):
         return Check("declared law", True, "not applicable: the verifier does not declare a per-position law")
+    if not reg.metadata.lossless:
+        return Check("declared law", True, "not applicable: declared lossy (never certified)")
     if reg.metadata.greedy_only:
         return Check("declared law", True, "not applicable: greedy-only (checked at T = 0 by greedy parity)")
     p, q = _law_pairs(vocab, torch.Generator().manual_seed(0))

@@ -34,7 +34,7 @@ from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
 from specforge_conformance.combos import SLOTS, Combination
-from specforge_conformance.exact import ExactLaw, ReferenceSpec, exact_law, reference_target
+from specforge_conformance.exact import ExactLaw, ReferenceSpec, exact_law, reference_target, sampling_target
 from specforge_conformance.rounds import RoundRecorder
 from specforge_conformance.stats import FitResult, detectable_tv, goodness_of_fit
 
@@ -204,7 +204,7 @@ def run_case(case: Case, host: PluginHost, law: ExactLaw | None = None, alpha: f
     law = law or case.law()
     recorder = RoundRecorder(case.seed)
     with case_threads(case):
-        engine = build_engine(case, host, recorder=recorder)
+        engine = build_engine(case, host, target=sampling_target(case.reference), recorder=recorder)
         start = time.perf_counter()
         requests = [GenerationRequest(prompt_ids=case.prompt, max_new_tokens=case.horizon, ignore_eos=True,
                                       seed=case.seed + i) for i in range(case.n)]

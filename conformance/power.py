@@ -39,17 +39,20 @@ def control_host(host: PluginHost | None = None) -> PluginHost:
     return host
 
 
-def control_case(name: str, n: int = 20_000, seed: int = 0, host: PluginHost | None = None) -> Case:
+def control_case(name: str, n: int | None = None, seed: int = 0, host: PluginHost | None = None) -> Case:
     """The case a control runs in (a subtle control: its kind's first probe case, with the
-    control in its slot), seeded with ``seed``."""
+    control in its slot, at the fast tier's N for that kind; the others at N = 20,000), seeded
+    with ``seed``."""
     if name in controls.SUBTLE:
+        from specforge_conformance.suite import TIERS
+
         kind, params = controls.SUBTLE[name]
         host = host or control_host()
-        case = probes.probe_cases(host, kind, name, n)[0]
+        case = probes.probe_cases(host, kind, name, n or TIERS["fast"].size(kind))[0]
         pipeline = {**case.pipeline, kind.value: (name, params)}
         return replace(case, pipeline=pipeline, seed=seed)
     spec = dict(controls.CONTROL_CASES[name])
-    return Case(n=n, seed=seed, **spec)
+    return Case(n=n or 20_000, seed=seed, **spec)
 
 
 @dataclass
@@ -73,7 +76,7 @@ class ControlReport:
         return dict(self.__dict__, ok=self.ok)
 
 
-def run_controls(names: Iterable[str] | None = None, seeds: int = 20, n: int = 20_000,
+def run_controls(names: Iterable[str] | None = None, seeds: int = 20, n: int | None = None,
                  level: float = LEVEL, host: PluginHost | None = None,
                  progress: Callable[[str], None] | None = None,
                  on_report: Callable[[list[ControlReport]], None] | None = None) -> list[ControlReport]:
