@@ -84,7 +84,7 @@ def run_controls(names: Iterable[str] | None = None, seeds: int = 20, n: int | N
     reports so far after each control, so a long run leaves usable partial results)."""
     host = control_host(host)
     out = []
-    for name in names or [*controls.CONTROL_CASES, *controls.SUBTLE]:
+    for name in names or [*controls.SUBTLE, *controls.CONTROL_CASES]:
         base = control_case(name, n, host=host)
         law = base.law()
         runs = []

@@ -42,11 +42,23 @@ def test_summary_pools_every_seed_of_every_file(reports):
     assert passed
     assert text.splitlines() == [
         "seeds: 3 (0..3; missing: [2])",
-        "statistical cases: 4, failed seeds: none, cases re-run at 10x N: 1",
-        "smallest p-value: 0.01 (per-case alpha 1e-07; ngram / rejection, seed 0)",
-        "largest TV: 0.0800 (match / greedy, seed 3)",
+        "statistical cases: 4 (4 statistics), failed seeds: none, cases re-run at 10x N: 1",
+        "smallest p-value: 0.01 (its level 1e-07; ngram / rejection [sequence], seed 0)",
+        "largest TV: 0.0800 (match / greedy [sequence], seed 3)",
         "median seconds per seed: 20",
     ]
+
+
+def test_every_statistic_of_a_case_is_pooled(tmp_path):
+    """Reports with round-level statistics: the smallest p-value is looked for among all of them."""
+    rich = {"combination": "probes of verifier rejection", "alpha": 6e-8, "level": 1e-8,
+            "fit": {"p_value": 0.4, "tv": 0.05}, "rerun": None,
+            "tests": {"sequence": {"p_value": 0.4, "tv": 0.05}, "emission": {"p_value": 0.002, "tv": 0.01}}}
+    path = tmp_path / "rich.json"
+    path.write_text(json.dumps(report(0, rich)))
+    text, _ = summarize(read_seeds([str(path)]))
+    assert "statistical cases: 1 (2 statistics)" in text
+    assert "smallest p-value: 0.002 (its level 1e-08; probes of verifier rejection [emission], seed 0)" in text
 
 
 def test_the_command_prints_the_summary_and_fails_with_a_failed_seed(reports, tmp_path):

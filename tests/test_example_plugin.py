@@ -71,6 +71,16 @@ def test_install_select_test_uninstall(child_env, tmp_path):
     combos = json.loads(checked.stdout)["combinations"]
     assert combos and all(c["combination"]["scheduler"] == "budget" for c in combos if c["status"] == "certified")
     assert sum(c["status"] == "certified" for c in combos) >= 6
+    # its own probes and its causality check ran too
+    assert any(c["label"] == "probes of scheduler budget" and c["status"] == "certified" for c in combos)
+    assert all(k["passed"] for k in json.loads(checked.stdout)["components"]["scheduler budget"])
+
+    # The reproduce line a failure would print works for a third party's component.
+    case = next(k["case"] for c in combos if c["status"] == "certified" for k in c["cases"])
+    again = subprocess.run([str(child_env), "-m", "specforge", "conformance", "--case", json.dumps(case)],
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "budget" in again.stdout and "passed" in again.stdout
 
     # The package's own test suite, as its CI would run it (conformance through the pytest plug-in,
     # at a smaller N than its default to keep this test quick).
