@@ -115,9 +115,7 @@ def _run_seeds(args: argparse.Namespace, tier: str) -> int:
         try:
             previous = json.loads(Path(args.out).read_text())
             for rec in previous.get("seeds", []):
-                same_n = all(case["case"]["n"] == (args.n or case["case"]["n"])
-                             for c in rec["combinations"] for case in c["cases"])
-                if rec.get("tier") == tier and rec.get("seed") in wanted and same_n:
+                if rec.get("tier") == tier and rec.get("seed") in wanted and rec.get("n") == args.n:
                     done[rec["seed"]] = rec
         except (ValueError, KeyError, TypeError) as exc:
             print(f"{args.out}: unreadable ({exc}); starting over", file=sys.stderr)

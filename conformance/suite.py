@@ -108,6 +108,7 @@ class SuiteReport:
     component_checks: dict[str, list[Check]]  # "kind name" -> its own deterministic checks
     seconds: float
     seed: int
+    n: int | None = None  # the samples per case asked for (None: the tier's)
 
     @property
     def passed(self) -> bool:
@@ -123,7 +124,7 @@ class SuiteReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "tier": self.tier, "alpha": self.alpha, "seed": self.seed, "passed": self.passed,
+            "tier": self.tier, "alpha": self.alpha, "seed": self.seed, "n": self.n, "passed": self.passed,
             "seconds": round(self.seconds, 1),
             "combinations": [c.to_dict() for c in self.combos],
             "components": {name: [k.to_dict() for k in ks] for name, ks in self.component_checks.items()},
@@ -317,7 +318,7 @@ def run_suite(host: PluginHost | None = None, tier: str = "fast", plugins: Itera
         elif max_seconds is not None and time.perf_counter() - start > max_seconds:
             stop = f"--max-seconds {max_seconds:g} spent"
     return SuiteReport(tier, alpha, [j.report for j in jobs] + untested, component_results,
-                       time.perf_counter() - start, seed)
+                       time.perf_counter() - start, seed, n)
 
 
 def _failure(failed: list[CaseResult]) -> str:
