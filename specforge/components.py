@@ -118,7 +118,7 @@ class Verifier(Protocol):
     The conformance suite then checks that the stated rule is lossless (exactly, on stress laws)
     and that ``verify`` realises it round by round (acceptance rates and the law of each emitted
     token), which detects much smaller mistakes than the law of the output alone.  Every shipped
-    verifier states its rule (``specforge_plugins.verifiers.BaseVerifier``).
+    verifier states its rule (their common base class defines ``verify`` from the two methods).
     """
 
     def verify(

@@ -71,9 +71,8 @@ def test_install_select_test_uninstall(child_env, tmp_path):
     combos = json.loads(checked.stdout)["combinations"]
     assert combos and all(c["combination"]["scheduler"] == "budget" for c in combos if c["status"] == "certified")
     assert sum(c["status"] == "certified" for c in combos) >= 6
-    # its own probes and its causality check ran too
+    # it met the probe cases built for schedulers too
     assert any(c["label"] == "probes of scheduler budget" and c["status"] == "certified" for c in combos)
-    assert all(k["passed"] for k in json.loads(checked.stdout)["components"]["scheduler budget"])
 
     # The reproduce line a failure would print works for a third party's component.
     case = next(k["case"] for c in combos if c["status"] == "certified" for k in c["cases"])
