@@ -96,8 +96,11 @@ class _RejectionMechanics(RejectionVerifier):
         a = self.accept_probability(p[:, :g], inputs.probs, inputs.tokens)
         n = accepted_prefix(self.accept_uniforms(inputs) < a, inputs.valid)
         n, law = self.emission(p, inputs, n)
-        rows = torch.arange(p.shape[0])
-        return VerifyOutput(num_accepted=n, next_token=sample_with_uniform(law, inputs.uniforms[rows, n, 1]))
+        return VerifyOutput(num_accepted=n, next_token=sample_with_uniform(law, self.emission_uniforms(inputs, n)))
+
+    def emission_uniforms(self, inputs: VerifyInputs, n: Tensor) -> Tensor:
+        """The uniform each request's emitted token is drawn with."""
+        return inputs.uniforms[torch.arange(inputs.tokens.shape[0]), n, 1]
 
 
 class SharedUniformVerifier(_RejectionMechanics):
@@ -173,19 +176,11 @@ class BatchSharedVerifier(_RejectionMechanics):
     the row of a per-request stream): each request's own law is still exact, but neighbouring
     requests of a batch are no longer independent."""
 
-    def verify(self, target_logits: Tensor, draft_tokens: Tensor, draft_probs: Tensor | None, lengths: Tensor,
-               sampling: SamplingParams, uniforms: Tensor) -> VerifyOutput:
-        inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
-        p = self.target_probs(inputs, sampling)
-        g = inputs.gamma
-        a = self.accept_probability(p[:, :g], inputs.probs, inputs.tokens)
-        n = accepted_prefix(self.accept_uniforms(inputs) < a, inputs.valid)
-        n, law = self.emission(p, inputs, n)
-        rows = torch.arange(p.shape[0])
+    def emission_uniforms(self, inputs: VerifyInputs, n: Tensor) -> Tensor:
+        rows = torch.arange(inputs.tokens.shape[0])
         own = inputs.uniforms[rows, n, 1]
-        neighbour = inputs.uniforms[(rows + 1) % p.shape[0], 0, 1]
-        u = torch.where(n == inputs.lengths, neighbour, own)
-        return VerifyOutput(num_accepted=n, next_token=sample_with_uniform(law, u))
+        neighbour = inputs.uniforms[(rows + 1) % rows.numel(), 0, 1]
+        return torch.where(n == inputs.lengths, neighbour, own)
 
 
 # --- drafters ---------------------------------------------------------------------------------
