@@ -112,9 +112,13 @@ class ShadowDrafter:
     a little uniform noise.  Close to p, so most drafts are accepted — the probe that exercises
     long accepted prefixes and bonus tokens, where ``random`` is rejected almost at once.
 
-    Runs the Hugging Face model over each request's full history (no cache): fine for the tiny
-    reference targets the suite uses, far too slow for a real model.
+    Runs the Hugging Face model over each request's full history (no KV cache), remembering
+    the next-token logits of every prefix it has seen: the suite's targets are tiny and its
+    requests share a prompt, so a few thousand prefixes cover a whole case.  Far too slow for
+    a real model.
     """
+
+    MEMO = 1 << 17  # prefixes remembered (then forgotten all at once): ~70 MB at V = 128
 
     feature_layers: tuple[int, ...] = ()
 
@@ -122,9 +126,11 @@ class ShadowDrafter:
         self.config = config or ShadowDrafterConfig()
         self.gamma = self.config.gamma
         self.model = None
+        self._memo: dict[tuple[int, ...], Tensor] = {}
 
     def bind(self, target) -> None:
         self.model = target.hf_model
+        self._memo = {}
         gen = torch.Generator().manual_seed(self.config.seed)
         v = target.vocab_size
         # s_k for k = 0..γ-1: distinct while γ ≤ V
@@ -149,24 +155,38 @@ class ShadowDrafter:
         u = (torch.stack([torch.rand(g, generator=gen, dtype=torch.float64) for gen in ctx.generators])
              if r else torch.empty(0, g, dtype=torch.float64))
         tokens = torch.empty(r, g, dtype=torch.long)
-        logits, probs = [], []
-        # Group requests by history length so each group is one rectangular forward.
-        by_len: dict[int, list[int]] = {}
-        for i, h in enumerate(ctx.histories):
-            by_len.setdefault(len(h), []).append(i)
         out_logits = torch.empty(r, g, self.model.config.vocab_size)
-        for rows in by_len.values():
-            seq = torch.stack([ctx.histories[i] for i in rows])
-            for k in range(g):
-                step = self.model(input_ids=seq, use_cache=False).logits[:, -1].float()
-                out_logits[rows, k] = step
-                x = sample_with_uniform(self.law(step, k), u[rows, k])
-                tokens[rows, k] = x
-                seq = torch.cat([seq, x[:, None]], 1)
+        seqs = [tuple(h.tolist()) for h in ctx.histories]
+        for k in range(g):
+            step = self._next_logits(seqs)
+            out_logits[:, k] = step
+            x = sample_with_uniform(self.law(step, k), u[:, k])
+            tokens[:, k] = x
+            seqs = [s + (t,) for s, t in zip(seqs, x.tolist())]
         probs = torch.stack([self.law(out_logits[:, k], k) for k in range(g)], 1)
         lengths = torch.minimum(torch.full((r,), g, dtype=torch.long), ctx.max_tokens)
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=out_logits / c.temperature,
                           anchor=ctx.anchor)
+
+    def _next_logits(self, seqs: list[tuple[int, ...]]) -> Tensor:
+        """``[len(seqs), V]`` float32 logits of the target after each sequence; the prefixes not
+        seen before run in one forward per length."""
+        memo = self._memo
+        missing: dict[int, list[tuple[int, ...]]] = {}
+        for s in dict.fromkeys(seqs):
+            if s not in memo:
+                missing.setdefault(len(s), []).append(s)
+        if sum(map(len, missing.values())) + len(memo) > self.MEMO:
+            memo.clear()
+            missing = {}
+            for s in dict.fromkeys(seqs):
+                missing.setdefault(len(s), []).append(s)
+        for group in missing.values():
+            rows = self.model(input_ids=torch.tensor(group), use_cache=False).logits[:, -1].float()
+            memo.update(zip(group, rows))
+        if not seqs:
+            return torch.empty(0, self.model.config.vocab_size)
+        return torch.stack([memo[s] for s in seqs])
 
 
 @hookimpl

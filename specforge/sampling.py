@@ -17,6 +17,8 @@ from per-request seeded generators, so a request's output does not depend on its
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ __all__ = [
     "check_probs",
     "draw_uniforms",
     "sample_with_uniform",
+    "sampling_problem",
     "warp",
 ]
 
@@ -81,15 +84,23 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first request with an out-of-range setting."""
-        for name, bad in (
-            ("temperature", ~(self.temperature >= 0) | ~torch.isfinite(self.temperature)),
-            ("top_k", self.top_k < 0),
-            ("top_p", ~((self.top_p > 0) & (self.top_p <= 1))),
-        ):
-            if bool(bad.any()):
-                r = int(bad.nonzero()[0, 0])
-                value = getattr(self, name)[r].item()
-                raise ValueError(f"request {r}: {name}={value} is out of range")
+        rows = zip(self.temperature.tolist(), self.top_k.tolist(), self.top_p.tolist())
+        for r, row in enumerate(rows):
+            problem = sampling_problem(*row)
+            if problem:
+                raise ValueError(f"request {r}: {problem}")
+
+
+def sampling_problem(temperature: float, top_k: int, top_p: float) -> str | None:
+    """What is out of range in one request's settings (``None``: nothing).  Plain floats: the
+    engine checks every request it admits, where building tensors would cost more than the rule."""
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        return f"temperature={temperature} is out of range"
+    if top_k < 0:
+        return f"top_k={top_k} is out of range"
+    if not 0 < top_p <= 1:
+        return f"top_p={top_p} is out of range"
+    return None
 
 
 def check_logits(logits: Tensor, valid: Tensor | None = None, what: str = "logits") -> None:

@@ -185,10 +185,14 @@ def test_a_failing_request_does_not_stop_the_others(target, host):
     reqs = [GenerationRequest(prompt_ids=ps[0], ignore_eos=True),
             GenerationRequest(prompt_ids=list(range(2, 80)), ignore_eos=True),  # longer than the context
             GenerationRequest(prompt_ids=[VOCAB + 5], ignore_eos=True),  # not in the vocabulary
-            GenerationRequest(prompt_ids=ps[2], ignore_eos=True)]
+            GenerationRequest(prompt_ids=ps[2], ignore_eos=True),
+            GenerationRequest(prompt_ids=ps[1], top_p=0.0),  # an out-of-range setting
+            GenerationRequest(prompt_ids=ps[1], temperature=float("nan"))]
     outs = engine.generate(reqs)
     assert "context limit is 64" in outs[1].error and outs[1].finish_reason == FinishReason.ERROR
     assert "outside the vocabulary" in outs[2].error
+    assert outs[4].error == "request 4: top_p=0.0 is out of range"
+    assert outs[5].error == "request 5: temperature=nan is out of range"
     assert outs[0].token_ids == hf_greedy(target, ps[0], 24)
     assert outs[3].token_ids == hf_greedy(target, ps[2], 24)
 

@@ -35,7 +35,7 @@ from specforge.engine.request import (
 )
 from specforge.engine.stops import apply_token_stops, find_stop_string
 from specforge.registry import ComponentKind
-from specforge.sampling import NonFiniteError, SamplingParams, draw_uniforms
+from specforge.sampling import NonFiniteError, SamplingParams, draw_uniforms, sampling_problem
 from specforge.target import TargetModel, VarlenBatch
 
 __all__ = ["Engine"]
@@ -207,7 +207,9 @@ class Engine:
             d.top_k if request.top_k is None else int(request.top_k),
             d.top_p if request.top_p is None else float(request.top_p),
         )
-        SamplingParams.stack([sampling]).validate()
+        problem = sampling_problem(*sampling)
+        if problem:
+            raise ValueError(f"request {rid}: {problem}")
         seed = d.seed + rid if request.seed is None else int(request.seed)
         max_new = d.max_new_tokens if request.max_new_tokens is None else int(request.max_new_tokens)
         if max_new < 1:
