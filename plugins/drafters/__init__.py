@@ -1,7 +1,8 @@
 """The shipped drafters.
 
 ``ngram`` (prompt lookup) needs no trained model; ``dspark`` and ``dflash`` are the parallel block
-drafters (docs/design/drafters.md), from a checkpoint or a seeded random initialisation.
+drafters and ``medusa`` the heads on the target's last hidden state (docs/design/drafters.md), each
+from a checkpoint or a seeded random initialisation.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 from specforge import hookimpl
 from specforge_plugins.drafters.block.training import BlockTraining, DFlashTraining
 from specforge_plugins.drafters.dspark import DFlashConfig, DFlashDrafter, DSparkConfig, DSparkDrafter
+from specforge_plugins.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaTraining
 from specforge_plugins.drafters.ngram import NgramConfig, NgramDrafter
 
-__all__ = ["DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter", "NgramConfig", "NgramDrafter"]
+__all__ = ["DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter", "MedusaConfig", "MedusaDrafter",
+           "NgramConfig", "NgramDrafter"]
 
 # Small enough for the conformance suite's reference targets (2 layers, d = 32, V = 8–32).
 # The third restricts the sequential stage to the top-4 tokens of U_k (q is zero elsewhere); the
@@ -20,6 +23,10 @@ __all__ = ["DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter", "Ng
 _BLOCK_EXAMPLES = ({"gamma": 3, "layers": 1}, {"gamma": 4, "layers": 2, "seed": 1},
                    {"gamma": 3, "layers": 1, "candidates": 4}, {"gamma": 4, "layers": 1, "draft_vocab": 6, "seed": 2},
                    {"gamma": 3, "layers": 1, "draft_vocab": 5, "candidates": 3})
+# Medusa's random inits: plain, two residual blocks over a draft vocabulary, the target's LM head
+# with the sequential stage on the top 3.
+_MEDUSA_EXAMPLES = ({"gamma": 3, "seed": 1}, {"gamma": 4, "res_layers": 2, "draft_vocab": 6, "seed": 2},
+                    {"gamma": 3, "output": "shared", "candidates": 3, "seed": 3})
 
 
 @hookimpl
@@ -35,3 +42,7 @@ def specforge_register_drafters(register):
     register("dflash", DFlashDrafter, config=DFlashConfig, parallel=True, uses_correction_head=True,
              provides=("probs", "logits", "hidden"), examples=_BLOCK_EXAMPLES, training=DFlashTraining,
              description="DFlash: parallel block [anchor, MASK x gamma] over fused target features")
+    register("medusa", MedusaDrafter, config=MedusaConfig, parallel=True, uses_correction_head=True,
+             provides=("probs", "logits", "hidden"), examples=_MEDUSA_EXAMPLES, training=MedusaTraining,
+             description="Medusa: K heads on the target's last hidden state, then the correction head "
+                         "left to right (none: plain Medusa)")

@@ -29,12 +29,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 from specforge.components import ComponentWeights, DraftBlock, DraftContext
-from specforge.sampling import sample_with_uniform, warp
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.block.checkpoint import DrafterCheckpointError, load_drafter
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.context import ContextCache
 from specforge_plugins.drafters.block.model import BlockBackbone, SharedWeights
+from specforge_plugins.drafters.sequential import sequential_stage
 
 __all__ = ["BlockDrafter", "DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter"]
 
@@ -193,57 +193,9 @@ class BlockDrafter:
         return now
 
     def _sequential(self, ctx: DraftContext, base: Tensor, hidden: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Left to right over the ``g`` slots: the correction head biases U_k given x_{k−1}, and
-        x_k is drawn from the warp of the result with the request's own uniform.
-
-        The columns of ``base [R, g, N]`` are draft ids (the target's ids without a draft
-        vocabulary).  Two restrictions make a slot cheaper without touching losslessness, since
-        each q_k is reported exactly as sampled and the verifier corrects for any q: a draft
-        vocabulary (q_k is zero outside its N tokens) and ``candidates`` (the head's bias, and
-        q_k, only on the top-K of U_k, which is fixed before x_k is drawn).
-        Returns target-id ``tokens [R, g]``, and ``logits``/``probs`` ``[R, g, V]``.
-        """
-        r, g, n = base.shape
-        head = ctx.correction_head
-        state = head.init_state(r) if head is not None else None
-        vocab = self.backbone.vocab
-        k_top = self.config.candidates if self.config.candidates is not None and self.config.candidates < n else None
-        whole = vocab is None and k_top is None  # the plain stage: every slot over the whole vocabulary
-        if whole:
-            logits, probs = torch.empty_like(base), torch.empty_like(base)
-        else:  # each slot's K (or N) columns, scattered into [R, g, V] once at the end
-            cols_all = torch.empty(r, g, k_top or n, dtype=torch.long)
-            step_all, law_all = torch.empty(r, g, k_top or n, dtype=base.dtype), torch.empty(r, g, k_top or n,
-                                                                                             dtype=base.dtype)
-        support = base.topk(k_top, dim=-1).indices if k_top is not None else None  # [R, g, K] draft ids
-        every = torch.arange(n).expand(r, n) if support is None else None  # the columns of a whole row
-        tokens = torch.empty(r, g, dtype=torch.long)
-        prev, in_head = ctx.anchor, 0.0
-        for k in range(g):
-            t0 = time.perf_counter()
-            if support is None:
-                cols, step = every, base[:, k]
-                if head is not None:
-                    step, state = head.step(step, prev, hidden[:, k], state)
-            else:
-                cols, step = support[:, k], base[:, k].gather(1, support[:, k])
-                if head is not None:
-                    step, state = _step_on(head, base[:, k], cols, prev, hidden[:, k], state)
-            in_head += time.perf_counter() - t0 if head is not None else 0.0
-            law = warp(step, ctx.sampling)  # the exact law x_k is drawn from, on ``cols``
-            pick = cols.gather(1, sample_with_uniform(law, u[:, k])[:, None])[:, 0]
-            if whole:
-                logits[:, k], probs[:, k] = step, law
-                prev = tokens[:, k] = pick
-                continue
-            cols_all[:, k], step_all[:, k], law_all[:, k] = cols, step, law
-            prev = tokens[:, k] = pick if vocab is None else vocab.ids[pick]
-        self.head_seconds += in_head
-        if not whole:
-            v = self.backbone.config.vocab_size
-            cols_t = cols_all if vocab is None else vocab.ids[cols_all]  # the target ids of those columns
-            logits = torch.full((r, g, v), float("-inf"), dtype=base.dtype).scatter_(2, cols_t, step_all)
-            probs = torch.zeros(r, g, v, dtype=base.dtype).scatter_(2, cols_t, law_all)
+        tokens, logits, probs, seconds = sequential_stage(ctx, base, hidden, u, self.backbone.vocab,
+                                                          self.config.candidates, self.backbone.config.vocab_size)
+        self.head_seconds += seconds
         return tokens, logits, probs
 
     def _ingest(self, ctx: DraftContext) -> None:
@@ -299,14 +251,3 @@ def _check_fits(c: BlockDrafterConfig, args: Any, where: str | None) -> None:
         if getattr(c, key) != value:
             raise DrafterCheckpointError(f"{where}: trained for a target with {key}={getattr(c, key)}; "
                                          f"the bound target has {key}={value}")
-
-
-def _step_on(head: Any, base: Tensor, support: Tensor, prev: Tensor, hidden: Tensor, state: Any) -> tuple[Tensor, Any]:
-    """The corrected logits of slot k on the candidates ``support [R, K]`` only, from the base
-    logits ``base [R, V]``: the head's ``step_on`` when it has one (the shipped low-rank heads
-    read K columns of W2), else its full-vocabulary ``step``, gathered."""
-    step_on = getattr(head, "step_on", None)
-    if callable(step_on):
-        return step_on(base.gather(1, support), support, prev, hidden, state)
-    out, state = head.step(base, prev, hidden, state)
-    return out.gather(1, support), state

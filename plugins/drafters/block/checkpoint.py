@@ -9,36 +9,27 @@ Layout of a checkpoint directory::
     model.safetensors  "backbone.*", "head.*", "confidence.*" tensors, and with a draft vocabulary
                        "vocab.d2t" / "vocab.t2d" (EAGLE-3's maps, see specforge.vocab)
 
-The weights' size and sha256 are checked on every load, so a truncated or corrupted file is one
-clear error naming it (checkpoints written before the record existed load unchecked).  The target's
-shared embedding and LM head are not in it (they are the target's).  A confidence
+The directory, the weights' integrity record and the errors are those of every drafter checkpoint
+(:mod:`specforge_plugins.drafters.checkpoints`).  The target's shared embedding and LM head are
+not in it (they are the target's).  A confidence
 head tied to the correction head's W1 has no table of its own and is re-tied on load.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specforge.errors import SpecforgeError
-from specforge.files import file_problem, file_record
 from specforge.vocab import DraftVocab
+from specforge_plugins.drafters.checkpoints import DrafterCheckpointError, read_checkpoint, write_checkpoint
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.model import BlockBackbone
 
 __all__ = ["FORMAT", "VERSION", "DrafterCheckpointError", "load_drafter", "save_drafter"]
 
 FORMAT, VERSION = "specforge-block-drafter", 1
-CONFIG, WEIGHTS = "config.json", "model.safetensors"
-
-
-class DrafterCheckpointError(SpecforgeError, ValueError):
-    """A drafter directory that is missing, damaged or of another format (the message says which)."""
 
 
 def _classes() -> dict[str, type]:
@@ -72,21 +63,14 @@ def save_drafter(directory: str | Path, backbone: BlockBackbone, head: nn.Module
     ``config`` (free-form JSON: γ policy, provenance, …) into ``directory``.  ``method`` (the
     training method, ``dspark``/``dflash``) and ``target`` (the target it was trained for) are
     recorded at the top of config.json; checkpoints written before they existed load too."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT, "version": VERSION, "method": method or _layout_name(backbone.config),
             "target": target, "backbone": backbone.config.model_dump(mode="json"),
             "head": _spec(head), "confidence": _spec(confidence), "drafter": config or {}}
-    json.dumps(meta)  # fail before writing anything if the drafter config is not JSON
     tensors = {} if backbone.vocab is None else {f"vocab.{k}": v for k, v in backbone.vocab.tensors().items()}
     for prefix, module in (("backbone", backbone), ("head", head), ("confidence", confidence)):
         if module is not None:
-            tensors.update({f"{prefix}.{k}": v.detach().cpu().contiguous() for k, v in module.state_dict().items()})
-    # Weights first, config last: a directory with a config.json always has its weights.
-    save_file(tensors, str(directory / WEIGHTS), metadata={"format": FORMAT})
-    meta["files"] = {WEIGHTS: file_record(directory / WEIGHTS)}
-    (directory / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
-    return directory
+            tensors.update({f"{prefix}.{k}": v for k, v in module.state_dict().items()})
+    return write_checkpoint(directory, meta, tensors)
 
 
 def load_drafter(directory: str | Path) -> tuple[BlockBackbone, nn.Module | None, nn.Module | None, dict[str, Any]]:
@@ -96,27 +80,8 @@ def load_drafter(directory: str | Path) -> tuple[BlockBackbone, nn.Module | None
     ``(backbone, head, confidence, drafter_config)``; the backbone still needs
     ``bind(SharedWeights.from_target(target))`` before it runs.
     """
-    from specforge_plugins.drafters.shipped import resolve_checkpoint
-
-    directory = resolve_checkpoint(directory)
-    try:
-        meta = json.loads((directory / CONFIG).read_text())
-    except FileNotFoundError:
-        raise DrafterCheckpointError(f"{directory}: no drafter checkpoint here (no {CONFIG})") from None
-    except (OSError, ValueError) as exc:
-        raise DrafterCheckpointError(f"{directory / CONFIG}: unreadable ({exc}); train or export the "
-                                     "drafter again") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise DrafterCheckpointError(f"{directory}: not a {FORMAT} v{VERSION} checkpoint "
-                                     f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
-    for name, record in meta.get("files", {}).items():
-        if (problem := file_problem(directory / name, record, str(directory / CONFIG))) is not None:
-            raise DrafterCheckpointError(f"{problem}; train or export it again (a shipped drafter: reinstall specforge)")
-    try:
-        tensors = load_file(str(directory / WEIGHTS))
-    except (OSError, SafetensorError) as exc:
-        raise DrafterCheckpointError(f"{directory / WEIGHTS}: missing or damaged ({exc}); train or export the "
-                                     "drafter again") from None
+    meta, tensors = read_checkpoint(directory, FORMAT, VERSION, "dspark/dflash")
+    directory = Path(str(directory))
 
     def part(prefix: str) -> dict[str, Any]:
         return {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
@@ -125,7 +90,7 @@ def load_drafter(directory: str | Path) -> tuple[BlockBackbone, nn.Module | None
     try:
         vocab = DraftVocab.from_maps(maps["d2t"], maps["t2d"]) if maps else None
     except (KeyError, ValueError) as exc:
-        raise DrafterCheckpointError(f"{directory / WEIGHTS}: its draft vocabulary maps are unusable ({exc})") from None
+        raise DrafterCheckpointError(f"{directory}: its draft vocabulary maps are unusable ({exc})") from None
     backbone = BlockBackbone(BlockDrafterConfig.model_validate(meta["backbone"]), vocab=vocab)
     backbone.load_state_dict(part("backbone"))  # strict: a missing or extra tensor is an error
     modules: dict[str, nn.Module | None] = {}

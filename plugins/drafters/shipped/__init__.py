@@ -26,7 +26,7 @@ def resolve_checkpoint(ref: str | Path) -> Path:
     text = str(ref)
     if not text.startswith(PREFIX):
         return Path(ref)
-    from specforge_plugins.drafters.block.checkpoint import DrafterCheckpointError
+    from specforge_plugins.drafters.checkpoints import DrafterCheckpointError
 
     name, shipped = text[len(PREFIX):], shipped_drafters()
     if name not in shipped:

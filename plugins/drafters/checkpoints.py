@@ -1,0 +1,79 @@
+"""The on-disk form every shipped drafter's checkpoint shares: a directory with one safetensors
+file of weights and a ``config.json`` (never pickle).
+
+``config.json`` always carries ``format`` and ``version`` (which loader reads it), ``method`` (the
+training method that wrote it: ``dspark``, ``dflash``, ``medusa``, …), ``target`` (the target it
+was trained for) and ``files`` (size and sha256 of the weights, checked on every load, so a
+truncated or corrupted file is one clear error naming it).  Each format adds its own sections.
+A checkpoint of another format — e.g. a Medusa checkpoint given to ``dspark`` — is one error that
+names the method it holds and the drafter that loads it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from specforge.errors import SpecforgeError
+from specforge.files import file_problem, file_record
+
+__all__ = ["CONFIG", "WEIGHTS", "DrafterCheckpointError", "read_checkpoint", "write_checkpoint"]
+
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+
+
+class DrafterCheckpointError(SpecforgeError, ValueError):
+    """A drafter directory that is missing, damaged or of another format (the message says which)."""
+
+
+def write_checkpoint(directory: str | Path, meta: dict[str, Any], tensors: dict[str, Tensor]) -> Path:
+    """Write ``tensors`` and ``meta`` (which must name ``format`` and ``version``) into
+    ``directory``: weights first, config last, so a directory with a config.json always has its
+    weights."""
+    directory = Path(directory)
+    json.dumps(meta)  # fail before writing anything if the config is not JSON
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(directory / WEIGHTS),
+              metadata={"format": str(meta["format"])})
+    meta = {**meta, "files": {WEIGHTS: file_record(directory / WEIGHTS)}}
+    (directory / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+    return directory
+
+
+def read_checkpoint(directory: str | Path, fmt: str, version: int, loader: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``(config, tensors)`` of the checkpoint in ``directory`` (or ``shipped:<name>``), checked to
+    be of ``fmt`` v``version``; ``loader`` names the drafter that reads it, for messages."""
+    from specforge_plugins.drafters.shipped import resolve_checkpoint
+
+    directory = resolve_checkpoint(directory)
+    try:
+        meta = json.loads((directory / CONFIG).read_text())
+    except FileNotFoundError:
+        raise DrafterCheckpointError(f"{directory}: no drafter checkpoint here (no {CONFIG})") from None
+    except (OSError, ValueError) as exc:
+        raise DrafterCheckpointError(f"{directory / CONFIG}: unreadable ({exc}); train or export the "
+                                     "drafter again") from None
+    if not isinstance(meta, dict):
+        raise DrafterCheckpointError(f"{directory / CONFIG}: not a drafter config (a JSON object is expected)")
+    if meta.get("format") != fmt:
+        held = meta.get("method") or meta.get("format")
+        hint = f" (serve it with drafter.name={held})" if isinstance(held, str) and meta.get("method") else ""
+        raise DrafterCheckpointError(f"{directory}: a {held!r} checkpoint (format {meta.get('format')!r}); the "
+                                     f"{loader} drafter reads {fmt} checkpoints{hint}")
+    if meta.get("version") != version:
+        raise DrafterCheckpointError(f"{directory}: a {fmt} checkpoint of version {meta.get('version')!r}; this "
+                                     f"specforge reads version {version}")
+    for name, record in meta.get("files", {}).items():
+        if (problem := file_problem(directory / name, record, str(directory / CONFIG))) is not None:
+            raise DrafterCheckpointError(f"{problem}; train or export it again (a shipped drafter: reinstall specforge)")
+    try:
+        tensors = load_file(str(directory / WEIGHTS))
+    except (OSError, SafetensorError) as exc:
+        raise DrafterCheckpointError(f"{directory / WEIGHTS}: missing or damaged ({exc}); train or export the "
+                                     "drafter again") from None
+    return meta, tensors

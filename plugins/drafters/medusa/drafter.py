@@ -1,0 +1,159 @@
+"""``medusa``: K heads on the target's last hidden state draft a chain of K tokens per round.
+
+One round for R requests:
+
+1. the engine hands over the target's last-layer output at the positions each request committed
+   since its previous draft; the drafter keeps only the newest row per request (position t, just
+   before the anchor x_0 at t + 1);
+2. the K heads give base logits U_1 … U_K in one pass (:class:`MedusaHeads`);
+3. the sequential stage shared with DSpark (:func:`~specforge_plugins.drafters.sequential.
+   sequential_stage`) draws x_1 … x_K left to right through the pipeline's correction head —
+   ``none`` is plain Medusa (each x_k from its own head's law); ``markov`` makes it sequential —
+   and reports each law exactly as sampled.
+
+A request with no committed row yet (a one-token prompt) drafts nothing that round.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor
+
+from specforge.components import DraftBlock, DraftContext
+from specforge.vocab import DraftVocab
+from specforge_plugins.drafters.checkpoints import DrafterCheckpointError
+from specforge_plugins.drafters.medusa.model import MedusaHeads, MedusaShape, load_medusa
+from specforge_plugins.drafters.sequential import sequential_stage
+
+__all__ = ["MedusaConfig", "MedusaDrafter"]
+
+
+class MedusaConfig(BaseModel):
+    """Parameters of the ``medusa`` drafter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str | None = Field(None, description="medusa checkpoint directory; None: random init")
+    gamma: int | None = Field(None, ge=1, description="heads used per round (≤ the checkpoint's); None: all")
+    heads: int | None = Field(None, ge=1, description="K of a random init (None: gamma, else 5)")
+    res_layers: int = Field(1, ge=1, description="residual blocks per head of a random init")
+    output: Literal["own", "shared"] = Field("own", description="random init: own output layers or the target's LM head")
+    seed: int = Field(0, description="seed of the random initialisation")
+    draft_vocab: int | None = Field(None, ge=1, description="random init over a seeded random draft vocabulary "
+                                                            "of this many target ids (tests, conformance)")
+    candidates: int | None = Field(None, ge=1, description="sequential stage on the top-K tokens of each U_k only")
+    dtype: Literal["float32", "target"] = Field("float32", description="run the heads in float32 or the target's dtype")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> MedusaConfig:
+        if self.checkpoint is not None and (self.heads is not None or self.draft_vocab is not None):
+            raise ValueError("heads and draft_vocab come from the checkpoint; set them only for a random init")
+        return self
+
+
+class MedusaDrafter:
+    """The engine-facing Medusa drafter (see the module docstring)."""
+
+    def __init__(self, config: MedusaConfig | None = None) -> None:
+        self.config = config or MedusaConfig()
+        self._loaded: MedusaHeads | None = None
+        if self.config.checkpoint is not None:
+            self._loaded, _ = load_medusa(self.config.checkpoint)
+            k = self._loaded.shape.heads
+            if self.config.gamma is not None and self.config.gamma > k:
+                raise ValueError(f"gamma={self.config.gamma}: the checkpoint has {k} heads")
+            self.gamma = self.config.gamma or k
+        else:
+            self.gamma = self.config.gamma or self.config.heads or 5
+            if self.config.heads is not None and self.gamma > self.config.heads:
+                raise ValueError(f"gamma={self.gamma} is larger than heads={self.config.heads}")
+        self.heads: MedusaHeads | None = None
+        self.feature_layers: tuple[int, ...] = ()
+        self._last: dict[int, Tensor] = {}  # request id -> [d] last-layer output before its anchor
+        self.head_seconds = 0.0
+
+    def bind(self, target: Any) -> None:
+        args, runtime = target.args, target.runtime
+        if self._loaded is not None:
+            heads = self._loaded
+            _check_fits(heads.shape, args, self.config.checkpoint)
+            init = False
+        else:
+            c = self.config
+            vocab = None
+            if c.draft_vocab is not None:
+                if c.draft_vocab >= args.vocab_size:
+                    raise ValueError(f"draft_vocab={c.draft_vocab} must be smaller than the target's {args.vocab_size}")
+                gen = torch.Generator().manual_seed(c.seed)
+                vocab = DraftVocab(torch.randperm(args.vocab_size, generator=gen)[:c.draft_vocab].sort().values,
+                                   args.vocab_size)
+            shape = MedusaShape.from_model_args(args, heads=c.heads or self.gamma, res_layers=c.res_layers,
+                                                output=c.output, draft_vocab_size=c.draft_vocab)
+            heads, init = MedusaHeads(shape, seed=c.seed, vocab=vocab), True
+        if self.config.dtype == "target":
+            heads = heads.to(runtime.dtype)
+        self.heads = heads.eval().bind(runtime.norm, runtime.lm_head, init_output=init)
+        if init:  # zero-initialised blocks would make every head repeat the target's next-token law
+            _perturb(self.heads, self.config.seed)
+        self.feature_layers = (heads.shape.tap_layer,)
+
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        return None if self.heads is None else self.heads.vocab
+
+    def release(self, request_id: int) -> None:
+        self._last.pop(request_id, None)
+
+    @torch.inference_mode()
+    def draft(self, ctx: DraftContext) -> DraftBlock:
+        if self.heads is None:
+            raise RuntimeError("bind() the drafter to a target first")
+        self._ingest(ctx)
+        r, anchor = len(ctx), ctx.anchor
+        u = ctx.uniforms(self.gamma)  # a fixed count per round: a request's stream ignores its batch-mates
+        have = torch.tensor([rid in self._last for rid in ctx.request_ids], dtype=torch.bool)
+        lengths = torch.where(have, torch.clamp(ctx.max_tokens, max=self.gamma), 0)
+        g = int(lengths.max()) if r else 0
+        if g == 0:
+            return DraftBlock(tokens=torch.zeros(r, 0, dtype=torch.long), lengths=torch.zeros(r, dtype=torch.long),
+                              anchor=anchor)
+        dim = self.heads.shape.dim
+        last = torch.stack([self._last.get(rid, torch.zeros(dim)).float() for rid in ctx.request_ids])
+        hidden = self.heads.hidden(last)[:, :g]
+        base = self.heads.logits(hidden)
+        tokens, logits, probs, seconds = sequential_stage(ctx, base, hidden, u, self.heads.vocab,
+                                                          self.config.candidates, self.heads.shape.vocab_size)
+        self.head_seconds += seconds
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=logits, hidden=hidden, anchor=anchor)
+
+    def _ingest(self, ctx: DraftContext) -> None:
+        f = ctx.features
+        if f is None or tuple(f.layers) != self.feature_layers:
+            raise RuntimeError(f"medusa needs the target's layer {self.feature_layers} output through "
+                               "DraftContext.features")
+        ends = f.cu_seqlens[1:].tolist()
+        starts = f.cu_seqlens[:-1].tolist()
+        for rid, lo, hi in zip(ctx.request_ids, starts, ends):
+            if hi > lo:
+                self._last[rid] = f.states[hi - 1, 0].clone()
+
+
+def _perturb(heads: MedusaHeads, seed: int) -> None:
+    """Random residual-block weights for a random init (tests, conformance)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in heads.blocks:
+            for res in block:
+                w = res.linear.weight
+                w.copy_((torch.randn(w.shape, generator=gen) / w.shape[1] ** 0.5).to(w.dtype))
+
+
+def _check_fits(shape: MedusaShape, args: Any, where: str | None) -> None:
+    """A checkpoint trained on another target shape cannot read this target's states."""
+    for key, value in (("vocab_size", args.vocab_size), ("dim", args.dim), ("n_target_layers", args.n_layers)):
+        if getattr(shape, key) != value:
+            raise DrafterCheckpointError(f"{where}: trained for a target with {key}={getattr(shape, key)}; "
+                                         f"the bound target has {key}={value}")
