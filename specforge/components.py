@@ -93,6 +93,9 @@ class VerifyOutput:
 
     num_accepted: Tensor  # [R] int64, 0 ≤ n_r ≤ ℓ_r
     next_token: Tensor  # [R] int64
+    # [R, G] int64 node indices of the accepted path of a *tree* draft (−1 past num_accepted);
+    # None for a chain, whose accepted drafts are its first num_accepted slots.
+    path: Tensor | None = None
 
 
 @runtime_checkable

@@ -1,8 +1,9 @@
 """The shipped drafters.
 
 ``ngram`` (prompt lookup) needs no trained model; ``dspark`` and ``dflash`` are the parallel block
-drafters and ``medusa`` the heads on the target's last hidden state (docs/design/drafters.md), each
-from a checkpoint or a seeded random initialisation.
+drafters, ``medusa`` the heads on the target's last hidden state and ``eagle3`` EAGLE-3's one-layer
+autoregressive drafter (docs/design/drafters.md), each from a checkpoint or a seeded random
+initialisation.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 from specforge import hookimpl
 from specforge_plugins.drafters.block.training import BlockTraining, DFlashTraining
 from specforge_plugins.drafters.dspark import DFlashConfig, DFlashDrafter, DSparkConfig, DSparkDrafter
+from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Training
 from specforge_plugins.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaTraining
 from specforge_plugins.drafters.ngram import NgramConfig, NgramDrafter
 
-__all__ = ["DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter", "MedusaConfig", "MedusaDrafter",
-           "NgramConfig", "NgramDrafter"]
+__all__ = ["DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter", "Eagle3Config", "Eagle3Drafter",
+           "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter"]
 
 # Small enough for the conformance suite's reference targets (2 layers, d = 32, V = 8–32).
 # The third restricts the sequential stage to the top-4 tokens of U_k (q is zero elsewhere); the
@@ -27,6 +29,7 @@ _BLOCK_EXAMPLES = ({"gamma": 3, "layers": 1}, {"gamma": 4, "layers": 2, "seed": 
 # with the sequential stage on the top 3.
 _MEDUSA_EXAMPLES = ({"gamma": 3, "seed": 1}, {"gamma": 4, "res_layers": 2, "draft_vocab": 6, "seed": 2},
                     {"gamma": 3, "output": "shared", "candidates": 3, "seed": 3})
+_EAGLE3_EXAMPLES = ({"gamma": 3, "seed": 1}, {"gamma": 4, "draft_vocab": 6, "seed": 2}, {"gamma": 2, "seed": 3})
 
 
 @hookimpl
@@ -46,3 +49,7 @@ def specforge_register_drafters(register):
              provides=("probs", "logits", "hidden"), examples=_MEDUSA_EXAMPLES, training=MedusaTraining,
              description="Medusa: K heads on the target's last hidden state, then the correction head "
                          "left to right (none: plain Medusa)")
+    register("eagle3", Eagle3Drafter, config=Eagle3Config, parallel=False, provides=("probs", "logits", "hidden"),
+             examples=_EAGLE3_EXAMPLES, training=Eagle3Training,
+             description="EAGLE-3: one decoder layer over three fused target layers, drafting a chain step by "
+                         "step on its own hidden states")

@@ -112,6 +112,8 @@ class TrainBatch:
         ctx_index: ``[B]`` the sequence of each block.
         p_t: ``[B, γ, V]`` float32, the target's law of each slot's token given the true prefix
             (zero where not ``valid``); ``None`` when the method's needs say ``teacher=False``.
+        ctx_ids: ``[S, T]`` the token at each context position (0 on padding), for methods whose
+            context rows read the token that follows them (EAGLE-3's (x_{t+1}, g_t) pairs).
     """
 
     block_ids: Tensor
@@ -124,6 +126,7 @@ class TrainBatch:
     ctx_valid: Tensor
     ctx_index: Tensor
     p_t: Tensor | None = None
+    ctx_ids: Tensor | None = None
 
     @property
     def num_blocks(self) -> int:

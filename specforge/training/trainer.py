@@ -225,7 +225,8 @@ class Trainer:
                     p_t[valid] = teacher_probs(hidden.to(dev)[rows[valid]], self.lm_head)
         return TrainBatch(block_ids=block_ids, anchor_pos=packed.block_anchor.to(dev), anchor_ids=anchor_ids,
                           labels=grid(packed.labels), prev_ids=grid(packed.prev_ids), valid=valid, ctx=ctx.to(dev),
-                          ctx_valid=ctx_valid.to(dev), ctx_index=packed.block_seq.to(dev), p_t=p_t)
+                          ctx_valid=ctx_valid.to(dev), ctx_index=packed.block_seq.to(dev), p_t=p_t,
+                          ctx_ids=nn.utils.rnn.pad_sequence([f.input_ids for f in feats], batch_first=True).to(dev))
 
     def _loss(self, indices: Sequence[int], epoch: int, train: bool) -> dict[str, float]:
         """Forward (and backward when ``train``) on this rank's share of ``indices``; global metrics."""
@@ -333,7 +334,8 @@ class Trainer:
                 if self.step % c.output.log_interval == 0 or self.step == self.total_steps:
                     self._record(rec)
                 bar.update(1)
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}", lr=f"{rec['lr']:.1e}")
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec.get('tau', float('nan')):.2f}",
+                                lr=f"{rec['lr']:.1e}")
                 if c.output.eval_interval and self.step % c.output.eval_interval == 0:
                     ev = self.evaluate()
                     if ev is not None:

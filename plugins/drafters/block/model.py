@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 
-__all__ = ["MASK", "BlockBackbone", "DraftLayer", "SharedWeights", "block_attention_mask"]
+__all__ = ["MASK", "BlockBackbone", "DraftLayer", "SharedWeights", "attend", "block_attention_mask", "gated_mlp"]
 
 #: Sentinel id of a MASK slot when the mask embedding is learned (``mask_token_id=None``).
 MASK = -1
@@ -123,17 +123,28 @@ class DraftLayer(nn.Module):
         q = rotate(q, cos, sin)
         k_blk, v_blk = self.kv(h, cos, sin)
         # K = [W_K ctx ; W_K h_blk], V likewise (paper eq. 3); heads first for SDPA.
-        k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)
-        v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
-        rep = c.n_heads // c.n_kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None],
-                                           scale=c.head_dim ** -0.5)
-        x = x + self.wo(o.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))
-        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
-        act = F.silu(gate) if c.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return x + self.w2(act * up)
+        o = attend(q, torch.cat([ctx_k, k_blk], dim=1), torch.cat([ctx_v, v_blk], dim=1), mask)
+        x = x + self.wo(o)
+        return x + gated_mlp(self.mlp_norm(x), self.w13, self.w2, c.activation)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Grouped-query attention: ``q [B, T, H, hd]`` over ``k``/``v`` ``[B, S, KV, hd]`` with a
+    boolean ``mask [B, T, S]`` (True = attend) → ``[B, T, H·hd]``."""
+    b, t, h, hd = q.shape
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    rep = h // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=hd ** -0.5)
+    return o.transpose(1, 2).reshape(b, t, h * hd)
+
+
+def gated_mlp(x: Tensor, w13: nn.Module, w2: nn.Module, activation: str) -> Tensor:
+    """The target-shaped MLP: ``w2(act(gate) ⊙ up)`` with ``(gate, up) = w13(x)``."""
+    gate, up = w13(x).chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return w2(act * up)
 
 
 class PackedLinear(nn.Module):

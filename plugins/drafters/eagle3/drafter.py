@@ -1,0 +1,178 @@
+"""``eagle3``: EAGLE-3's one-layer autoregressive drafter as a chain of γ steps per round.
+
+One round for R requests:
+
+1. *Context.*  The engine hands over the three fused layers' outputs at the positions each request
+   committed since its previous draft (ending just before the anchor x_0).  For each such row t
+   the drafter appends the layer's K/V of (x_{t+1}, g_t) to the request's draft KV cache
+   (:class:`~specforge_plugins.drafters.block.context.ContextCache`) — x_{t+1} is known, it was
+   committed — and keeps g of the last row.
+2. *Chain.*  Step 1 reads (x_0, g_{a−1}) and predicts x_1; step k reads (x_{k−1}, y_{k−1}), its
+   own previous output, and attends to the cache and to the chain so far
+   (:meth:`~specforge_plugins.drafters.eagle3.model.Eagle3Model.chain`).  Each x_k is drawn from
+   the warped draft law with the request's own uniform and that law is reported as q_k (zero
+   outside a draft vocabulary); the chain's K/V are dropped after the round.
+
+Eagle3 runs no correction head (it is sequential by itself), so it combines with ``none`` only;
+its ``hidden`` (final-normed y_k) feeds confidence estimators such as ``dspark-head``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor
+
+from specforge.components import DraftBlock, DraftContext
+from specforge.sampling import sample_with_uniform, warp
+from specforge.vocab import DraftVocab
+from specforge_plugins.drafters.block.context import ContextCache
+from specforge_plugins.drafters.block.model import SharedWeights
+from specforge_plugins.drafters.checkpoints import DrafterCheckpointError
+from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, load_eagle3
+
+__all__ = ["Eagle3Config", "Eagle3Drafter"]
+
+
+class Eagle3Config(BaseModel):
+    """Parameters of the ``eagle3`` drafter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str | None = Field(None, description="eagle3 checkpoint directory; None: random init")
+    gamma: int = Field(7, ge=1, description="draft steps per round")
+    target_layers: tuple[int, ...] | None = Field(
+        None, description="fused target layers of a random init; None: EAGLE-3's 1, L/2-1, L-4")
+    seed: int = Field(0, description="seed of the random initialisation")
+    draft_vocab: int | None = Field(None, ge=1, description="random init over a seeded random draft vocabulary "
+                                                            "of this many target ids (tests, conformance)")
+    dtype: Literal["float32", "target"] = Field("float32", description="run the model in float32 or the target's dtype")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Eagle3Config:
+        if self.checkpoint is not None and (self.target_layers is not None or self.draft_vocab is not None):
+            raise ValueError("target_layers and draft_vocab come from the checkpoint; set them only for a random init")
+        return self
+
+
+class Eagle3Drafter:
+    """The engine-facing EAGLE-3 drafter (see the module docstring)."""
+
+    def __init__(self, config: Eagle3Config | None = None) -> None:
+        self.config = config or Eagle3Config()
+        self.gamma = self.config.gamma
+        self._loaded = load_eagle3(self.config.checkpoint)[0] if self.config.checkpoint is not None else None
+        self.model: Eagle3Model | None = None
+        self.feature_layers: tuple[int, ...] = ()
+        self._cache: ContextCache | None = None
+        self._last: dict[int, Tensor] = {}  # request id -> g of the row just before its anchor
+
+    def bind(self, target: Any) -> None:
+        args, runtime = target.args, target.runtime
+        c = self.config
+        if self._loaded is not None:
+            model = self._loaded
+            _check_fits(model.shape, args, c.checkpoint)
+        else:
+            vocab = None
+            if c.draft_vocab is not None:
+                if c.draft_vocab >= args.vocab_size:
+                    raise ValueError(f"draft_vocab={c.draft_vocab} must be smaller than the target's {args.vocab_size}")
+                gen = torch.Generator().manual_seed(c.seed)
+                vocab = DraftVocab(torch.randperm(args.vocab_size, generator=gen)[:c.draft_vocab].sort().values,
+                                   args.vocab_size)
+            shape = Eagle3Shape.from_model_args(args, layers=c.target_layers, draft_vocab_size=c.draft_vocab)
+            model = Eagle3Model(shape, seed=c.seed, vocab=vocab)
+        if c.dtype == "target":
+            model = model.to(runtime.dtype)
+        self.model = model.eval().bind(SharedWeights.from_target(runtime))
+        s = model.shape
+        self.feature_layers = s.layers
+        self._cache = ContextCache(1, s.n_kv_heads, s.head_dim, model.dtype)
+
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        return None if self.model is None else self.model.vocab
+
+    def release(self, request_id: int) -> None:
+        self._last.pop(request_id, None)
+        if self._cache is not None:
+            self._cache.release(request_id)
+
+    @torch.inference_mode()
+    def draft(self, ctx: DraftContext) -> DraftBlock:
+        if self.model is None or self._cache is None:
+            raise RuntimeError("bind() the drafter to a target first")
+        self._ingest(ctx)
+        r, anchor = len(ctx), ctx.anchor
+        u = ctx.uniforms(self.gamma)  # a fixed count per round: a request's stream ignores its batch-mates
+        have = torch.tensor([rid in self._last for rid in ctx.request_ids], dtype=torch.bool)
+        lengths = torch.where(have, torch.clamp(ctx.max_tokens, max=self.gamma), 0)
+        g = int(lengths.max()) if r else 0
+        if g == 0:
+            return DraftBlock(tokens=torch.zeros(r, 0, dtype=torch.long), lengths=torch.zeros(r, dtype=torch.long),
+                              anchor=anchor)
+        model, vocab = self.model, self.model.vocab
+        for rid, h, ok in zip(ctx.request_ids, ctx.histories, have.tolist()):
+            held = self._cache.length(rid)
+            if ok and held != len(h) - 1:  # the context must be exactly the committed tokens before x_0
+                raise RuntimeError(f"request {rid}: the draft context holds {held} positions, the anchor is at "
+                                   f"position {len(h) - 1}")
+        ((ctx_k, ctx_v),), _, valid = self._cache.gather(ctx.request_ids)
+        valid[~have, 0] = True  # a request that drafts nothing reads a zero row, not an empty softmax
+        dim = model.shape.dim
+        g0 = torch.stack([self._last.get(rid, torch.zeros(dim, dtype=model.dtype)) for rid in ctx.request_ids])
+        pos0 = torch.tensor([len(h) - 2 for h in ctx.histories], dtype=torch.long).clamp_min(0)
+        tokens = torch.zeros(r, g, dtype=torch.long)
+        laws: list[Tensor] = []
+
+        def draw(j: int, logits: Tensor) -> Tensor:
+            law = warp(logits, ctx.sampling)  # the exact law x_{j+1} is drawn from, over the draft ids
+            pick = sample_with_uniform(law, u[:, j])
+            tokens[:, j] = pick if vocab is None else vocab.ids[pick]
+            laws.append(law)
+            return model.embed(tokens[:, j])
+
+        y, logits = model.chain(model.embed(anchor), g0, pos0, ctx_k, ctx_v, valid, g, draw)
+        draw(g - 1, logits[:, -1])  # the last step's token (``chain`` asks only for inputs it feeds back)
+        law = torch.stack(laws, 1)
+        v = model.shape.vocab_size
+        if vocab is None:
+            probs, full = law, logits
+        else:
+            ids = vocab.ids.expand(r, g, -1)
+            probs = torch.zeros(r, g, v, dtype=law.dtype).scatter_(2, ids, law)
+            full = torch.full((r, g, v), float("-inf"), dtype=logits.dtype).scatter_(2, ids, logits)
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=full, hidden=model.norm(y).float(),
+                          anchor=anchor)
+
+    def _ingest(self, ctx: DraftContext) -> None:
+        """Append the K/V of each newly committed row (with the token that followed it)."""
+        f = ctx.features
+        if f is None or tuple(f.layers) != tuple(self.feature_layers):
+            raise RuntimeError(f"eagle3 needs the target's layers {self.feature_layers} through DraftContext.features")
+        n = f.states.shape[0]
+        if n == 0:
+            return
+        counts = f.cu_seqlens[1:] - f.cu_seqlens[:-1]
+        owner = torch.repeat_interleave(torch.arange(len(ctx)), counts)
+        following = torch.tensor([int(ctx.histories[o][p + 1]) for o, p in zip(owner.tolist(), f.positions.tolist())],
+                                 dtype=torch.long)
+        k, v, g = self.model.context_kv(f.states.flatten(1), following, f.positions)
+        starts = f.positions[f.cu_seqlens[:-1].clamp(max=n - 1)]
+        self._cache.extend_many(ctx.request_ids, starts, counts, [(k, v)])
+        for r, (rid, hi) in enumerate(zip(ctx.request_ids, f.cu_seqlens[1:].tolist())):
+            if counts[r] > 0:
+                self._last[rid] = g[hi - 1].clone()
+
+
+def _check_fits(shape: Eagle3Shape, args: Any, where: str | None) -> None:
+    """A checkpoint trained on another target shape cannot read this target's states."""
+    pairs = {"vocab_size": args.vocab_size, "dim": args.dim, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+             "head_dim": args.head_dim, "n_target_layers": args.n_layers}
+    for key, value in pairs.items():
+        if getattr(shape, key) != value:
+            raise DrafterCheckpointError(f"{where}: trained for a target with {key}={getattr(shape, key)}; "
+                                         f"the bound target has {key}={value}")

@@ -1,0 +1,231 @@
+"""The EAGLE-3 draft model (Li et al., 2025; docs/design/drafters.md#eagle3) and its checkpoint.
+
+Three target layers are fused into g_t = W_fc [l_t ; m_t ; h_t] (3d → d, no bias).  One decoder
+layer of the target's shape reads, at position t, the pair (token x_{t+1}, hidden state s_t):
+
+    a_t = [ RMSNorm(emb(x_{t+1})) ; RMSNorm(s_t) ]          (2d wide: q, k, v project from it)
+    o_t = s_t + W_o · Attention(a_t, a_≤t)                    (the residual is the hidden state)
+    y_t = o_t + MLP(RMSNorm(o_t)),    logits = lm_head(RMSNorm(y_t))   → x_{t+2}
+
+For committed positions s_t = g_t (the target's fused features); for its own drafts the model
+feeds back y of the previous step — which is what training-time test teaches it.  The embedding is
+the target's, frozen and shared; the LM head is the drafter's own, over a draft vocabulary when
+there is one (initialised from the target's rows).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor, nn
+
+from specforge.vocab import DraftVocab
+from specforge_plugins.drafters.block.model import RMSNorm, SharedWeights, attend, gated_mlp, rope, rotate
+from specforge_plugins.drafters.checkpoints import DrafterCheckpointError, read_checkpoint, write_checkpoint
+
+__all__ = ["FORMAT", "VERSION", "Eagle3Model", "Eagle3Shape", "eagle3_layers", "load_eagle3", "save_eagle3"]
+
+FORMAT, VERSION = "specforge-eagle3", 1
+
+
+def eagle3_layers(n_target_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's fused layers: the outputs of layers 1, L/2 − 1 and L − 4 (0-based), clamped
+    into a shallow target's depth; a repeat is dropped (the fusion is then narrower), since a
+    duplicate tap adds no information."""
+    top = n_target_layers - 1
+    return tuple(sorted({min(max(i, 0), top) for i in (1, n_target_layers // 2 - 1, n_target_layers - 4)}))
+
+
+class Eagle3Shape(BaseModel):
+    """Everything needed to rebuild the model (stored in the checkpoint's config.json)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = Field(ge=1)
+    dim: int = Field(ge=1)
+    n_heads: int = Field(ge=1)
+    n_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=2)
+    intermediate_size: int = Field(ge=1)
+    n_target_layers: int = Field(ge=1)
+    norm_eps: float = 1e-6
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    rope_theta: float = 10000.0
+    layers: tuple[int, ...] = Field(description="the fused target layers (0-based outputs)")
+    draft_vocab_size: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Eagle3Shape:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        bad = [i for i in self.layers if not 0 <= i < self.n_target_layers]
+        if bad or not self.layers:
+            raise ValueError(f"fused layers {list(self.layers)} must lie in the target's {self.n_target_layers} layers")
+        if self.draft_vocab_size is not None and self.draft_vocab_size >= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be smaller than the target's "
+                             f"{self.vocab_size} tokens (leave it unset for the whole vocabulary)")
+        return self
+
+    @classmethod
+    def from_model_args(cls, args: Any, **overrides: Any) -> Eagle3Shape:
+        shape = dict(vocab_size=args.vocab_size, dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                     head_dim=args.head_dim, intermediate_size=args.intermediate_size,
+                     n_target_layers=args.n_layers, norm_eps=args.norm_eps, activation=args.activation,
+                     layers=eagle3_layers(args.n_layers))
+        return cls(**{**shape, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+class Eagle3Layer(nn.Module):
+    """The decoder layer over [RMSNorm(emb) ; RMSNorm(hidden)] (see the module docstring)."""
+
+    def __init__(self, s: Eagle3Shape) -> None:
+        super().__init__()
+        d, hd = s.dim, s.head_dim
+        self.s = s
+        self.input_norm = RMSNorm(d, s.norm_eps)
+        self.hidden_norm = RMSNorm(d, s.norm_eps)
+        self.wq = nn.Linear(2 * d, s.n_heads * hd, bias=False)
+        self.wk = nn.Linear(2 * d, s.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(2 * d, s.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(s.n_heads * hd, d, bias=False)
+        self.mlp_norm = RMSNorm(d, s.norm_eps)
+        self.w13 = nn.Linear(d, 2 * s.intermediate_size, bias=False)
+        self.w2 = nn.Linear(s.intermediate_size, d, bias=False)
+
+    def project(self, emb: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``[..., d]`` each → rotated q ``[..., H, hd]``, k and v ``[..., KV, hd]``."""
+        lead, s = emb.shape[:-1], self.s
+        a = torch.cat([self.input_norm(emb), self.hidden_norm(hidden)], -1)
+        q = rotate(self.wq(a).view(*lead, s.n_heads, s.head_dim), cos, sin)
+        k = rotate(self.wk(a).view(*lead, s.n_kv_heads, s.head_dim), cos, sin)
+        return q, k, self.wv(a).view(*lead, s.n_kv_heads, s.head_dim)
+
+    def finish(self, hidden: Tensor, attended: Tensor) -> Tensor:
+        """The residual from the hidden state, then the MLP: y ``[B, T, d]``."""
+        x = hidden + self.wo(attended)
+        return x + gated_mlp(self.mlp_norm(x), self.w13, self.w2, self.s.activation)
+
+
+class Eagle3Model(nn.Module):
+    """Fusion, the decoder layer, final norm and the drafter's own LM head."""
+
+    def __init__(self, shape: Eagle3Shape, seed: int = 0, vocab: DraftVocab | None = None) -> None:
+        super().__init__()
+        if (vocab is None) != (shape.draft_vocab_size is None) or (vocab is not None and vocab.size != shape.draft_vocab_size):
+            raise ValueError("the draft vocabulary must match draft_vocab_size")
+        self.shape, self.vocab = shape, vocab
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.fc = nn.Linear(len(shape.layers) * shape.dim, shape.dim, bias=False)
+            self.layer = Eagle3Layer(shape)
+            self.norm = RMSNorm(shape.dim, shape.norm_eps)
+            self.lm_head = nn.Linear(shape.dim, shape.draft_vocab_size or shape.vocab_size, bias=False)
+            for p in self.parameters():
+                if p.dim() == 2:
+                    nn.init.normal_(p, std=0.02)
+        inv_freq = 1.0 / shape.rope_theta ** (torch.arange(0, shape.head_dim, 2).float() / shape.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.shared: SharedWeights | None = None
+
+    def bind(self, shared: SharedWeights, init_head: bool = False) -> Eagle3Model:
+        """Read the target's frozen embedding (and RoPE) by reference; ``init_head`` copies the
+        target's LM-head rows of the draft vocabulary into the drafter's own head (a new run)."""
+        if shared.embed.shape != (self.shape.vocab_size, self.shape.dim):
+            raise ValueError(f"the target's embedding is {tuple(shared.embed.shape)}; the model was built for "
+                             f"({self.shape.vocab_size}, {self.shape.dim})")
+        self.shared = shared
+        if init_head:
+            rows = shared.lm_head if self.vocab is None else shared.lm_head[self.vocab.ids.to(shared.lm_head.device)]
+            with torch.no_grad():
+                self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def embed(self, ids: Tensor) -> Tensor:
+        sh = self.shared
+        if sh is None:
+            raise RuntimeError("bind() the model to the target's SharedWeights first")
+        x = F.embedding(ids.clamp_min(0), sh.embed).to(self.dtype)
+        return x * sh.embed_scale if sh.embed_scale != 1.0 else x
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        sh = self.shared
+        if sh is not None and sh.inv_freq is not None:
+            return rope(positions, sh.inv_freq, sh.rope_scaling, self.dtype)
+        return rope(positions, self.inv_freq, 1.0, self.dtype)
+
+    def fuse(self, features: Tensor) -> Tensor:
+        """``[..., m·d]`` concatenated tapped target states → g ``[..., d]``."""
+        return self.fc(features.to(self.dtype))
+
+    def logits(self, y: Tensor) -> Tensor:
+        """``[..., d]`` layer outputs → float32 logits over the draft vocabulary."""
+        return self.lm_head(self.norm(y)).float()
+
+    def chain(self, emb0: Tensor, hidden0: Tensor, pos0: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_ok: Tensor,
+              steps: int, next_emb) -> tuple[Tensor, Tensor]:
+        """``steps`` autoregressive steps for B chains, shared by training-time test and drafting.
+
+        Step 1 reads (``emb0``, ``hidden0``) ``[B, d]`` at ``pos0 [B]`` — a committed position
+        whose K/V is already among the context keys ``ctx_k``/``ctx_v [B, C, KV, hd]`` (visible
+        where ``ctx_ok [B, C]``); step j > 1 reads (``next_emb(j - 1, logits of step j − 1)``,
+        y of step j − 1) at ``pos0 + j − 1`` and attends to the context and to its own chain.
+        Returns ``y [B, steps, d]`` and logits ``[B, steps, N]``.
+        """
+        b = emb0.shape[0]
+        ys, outs = [], []
+        chain_k, chain_v = ctx_k.new_zeros(b, 0, *ctx_k.shape[2:]), ctx_v.new_zeros(b, 0, *ctx_v.shape[2:])
+        emb, hidden = emb0[:, None], hidden0[:, None].to(self.dtype)
+        for j in range(steps):
+            cos, sin = self.rope((pos0 + j)[:, None])
+            q, k, v = self.layer.project(emb, hidden, cos, sin)
+            if j > 0:  # step 1's own key is the context row of pos0
+                chain_k, chain_v = torch.cat([chain_k, k], 1), torch.cat([chain_v, v], 1)
+            keys = torch.cat([ctx_k, chain_k], 1)
+            mask = torch.cat([ctx_ok, ctx_ok.new_ones(b, chain_k.shape[1])], 1)[:, None]
+            y = self.layer.finish(hidden, attend(q, keys, torch.cat([ctx_v, chain_v], 1), mask))
+            logits = self.logits(y[:, 0])
+            ys.append(y[:, 0])
+            outs.append(logits)
+            if j + 1 < steps:
+                emb, hidden = next_emb(j, logits)[:, None], y
+        return torch.stack(ys, 1), torch.stack(outs, 1)
+
+    def context_kv(self, features: Tensor, next_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """K/V of committed rows: ``features [..., T, m·d]`` with the token after each row
+        ``next_ids [..., T]`` at ``positions [..., T]`` → (k, v ``[..., T, KV, hd]``, g ``[..., T, d]``)."""
+        g = self.fuse(features)
+        cos, sin = self.rope(positions)
+        _, k, v = self.layer.project(self.embed(next_ids), g, cos, sin)
+        return k, v, g
+
+
+def save_eagle3(directory: str | Path, model: Eagle3Model, config: dict[str, Any] | None = None, *,
+                target: str | None = None) -> Path:
+    """Write ``model`` (+ free-form drafter ``config``: provenance) as an ``eagle3`` checkpoint."""
+    meta = {"format": FORMAT, "version": VERSION, "method": "eagle3", "target": target,
+            "eagle3": model.shape.model_dump(mode="json"), "drafter": config or {}}
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    if model.vocab is not None:
+        tensors.update({f"vocab.{k}": v for k, v in model.vocab.tensors().items()})
+    return write_checkpoint(directory, meta, tensors)
+
+
+def load_eagle3(directory: str | Path) -> tuple[Eagle3Model, dict[str, Any]]:
+    """Read a checkpoint written by :func:`save_eagle3`: ``(model, drafter config)``."""
+    meta, tensors = read_checkpoint(directory, FORMAT, VERSION, "eagle3")
+    maps = {k[6:]: v for k, v in tensors.items() if k.startswith("vocab.")}
+    try:
+        vocab = DraftVocab.from_maps(maps["d2t"], maps["t2d"]) if maps else None
+        model = Eagle3Model(Eagle3Shape.model_validate(meta["eagle3"]), vocab=vocab)
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise DrafterCheckpointError(f"{directory}: not a usable eagle3 checkpoint ({exc})") from None
+    return model, meta.get("drafter", {})

@@ -1,0 +1,170 @@
+"""EAGLE-3 training through the training contract: training-time test (TTT) over γ steps.
+
+For a block whose anchor sits at position a, every context row t of its sequence carries the K/V
+of (x_{t+1}, g_t) — the true next token and the fused target features — and the chain of
+:meth:`~specforge_plugins.drafters.eagle3.model.Eagle3Model.chain` runs γ steps from row a − 1:
+step 1 reads (x_a, g_{a−1}) and predicts x_{a+1}; step k reads the true token x_{a+k−1} with the
+model's *own* output of step k − 1 — exactly what it will see when drafting after an accepted
+prefix.  Loss: Σ_k 0.8^(k−1) · soft cross-entropy against the target's law p_t at slot k (on the
+draft vocabulary's tokens when there is one, where the target token lies inside).  ``tau`` is the
+greedy chain's expected accepted length, 1 + Σ_k Π_{j≤k} [arg-max_j = label_j].
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor, nn
+
+from specforge.training.contract import DataNeeds, DataSummary, LossOutput, MetricNames, TrainBatch
+from specforge.vocab import DraftVocab, DraftVocabError
+from specforge_plugins.drafters.block.model import SharedWeights
+from specforge_plugins.drafters.checkpoints import DrafterCheckpointError
+from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, load_eagle3, save_eagle3
+
+__all__ = ["Eagle3TrainConfig", "Eagle3Training"]
+
+
+class Eagle3TrainConfig(BaseModel):
+    """The ``drafter.*`` keys of a training config for ``eagle3``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(7, ge=1, description="training-time test steps (the drafted chain's length)")
+    decay: float = Field(0.8, gt=0, le=1, description="step k's loss weight: decay^(k-1)")
+    target_layers: list[int] | None = Field(None, description="fused target layers; None: EAGLE-3's 1, L/2-1, L-4")
+    seed: int = Field(0, description="seed of the initialisation")
+    draft_vocab: int | None = Field(None, ge=1, description="N: the drafter's LM head over the N most frequent tokens "
+                                                            "of the training answers; None: the whole vocabulary")
+
+
+class _Module(nn.Module):
+    """The model with the batch plumbing: what the trainer wraps (in DDP under torchrun)."""
+
+    def __init__(self, model: Eagle3Model, steps: int) -> None:
+        super().__init__()
+        self.model, self.steps = model, steps
+
+    def forward(self, batch: TrainBatch | None) -> Tensor:
+        m = self.model
+        if batch is None:  # a rank with no blocks still joins the gradient all-reduce
+            return sum(p.sum() for p in self.parameters()) * 0.0
+        if batch.ctx_ids is None:
+            raise ValueError("eagle3 needs TrainBatch.ctx_ids (the tokens of the context rows)")
+        ids, ctx = batch.ctx_ids, batch.ctx
+        s, t = ids.shape
+        following = torch.cat([ids[:, 1:], ids.new_zeros(s, 1)], 1)  # x_{t+1} of every row
+        positions = torch.arange(t, device=ids.device).expand(s, t)
+        k, v, g = m.context_kv(ctx, following, positions)
+        seq, a = batch.ctx_index, batch.anchor_pos
+        row = (a - 1).clamp_min(0)
+        # A block sees the rows strictly before its anchor; row a − 1 is its first step's own key.
+        ctx_ok = (positions[seq] <= row[:, None]) & batch.ctx_valid[seq]
+        labels = batch.labels
+
+        def teacher(j: int, _logits: Tensor) -> Tensor:
+            return m.embed(labels[:, j].clamp_min(0))
+
+        _, logits = m.chain(m.embed(batch.anchor_ids), g[seq, row], row, k[seq], v[seq], ctx_ok,
+                            min(self.steps, labels.shape[1]), teacher)
+        return logits
+
+
+class Eagle3Training:
+    """One EAGLE-3 training run (see the module docstring)."""
+
+    method = "eagle3"
+    config = Eagle3TrainConfig
+    metrics = MetricNames(means=("ce", "tau"), sums=("supervised",), positions=("top1",))
+
+    def __init__(self, config: Eagle3TrainConfig, target: Any, device: torch.device | str = "cpu") -> None:
+        self.settings, self.target, self.device = config, target, device
+        self.target_name = str(target.name)
+        if config.draft_vocab is not None and config.draft_vocab >= target.args.vocab_size:
+            raise DraftVocabError(f"drafter.draft_vocab: {config.draft_vocab} is not smaller than the target's "
+                                  f"{target.args.vocab_size} tokens (leave it unset for the whole vocabulary)")
+        self.shape = self._shape(None)
+        self.vocab: DraftVocab | None = None
+        self.coverage: float | None = None
+        self._module: _Module | None = None if config.draft_vocab is not None else self._build(None)
+
+    def _shape(self, vocab: DraftVocab | None) -> Eagle3Shape:
+        c = self.settings
+        return Eagle3Shape.from_model_args(self.target.args, layers=tuple(c.target_layers) if c.target_layers else None,
+                                           draft_vocab_size=None if vocab is None else vocab.size)
+
+    def _build(self, vocab: DraftVocab | None) -> _Module:
+        rt = self.target.runtime
+        shared = SharedWeights.from_target(rt)
+        if torch.device(self.device).type != "cpu":
+            shared = SharedWeights(rt.embed.to(self.device), rt.lm_head.to(self.device), shared.embed_scale,
+                                   None if rt.inv_freq is None else rt.inv_freq.to(self.device), shared.rope_scaling)
+        model = Eagle3Model(self._shape(vocab), seed=self.settings.seed, vocab=vocab)
+        model.bind(shared, init_head=True)
+        return _Module(model, self.settings.steps).to(self.device)
+
+    @property
+    def module(self) -> _Module:
+        if self._module is None:
+            raise RuntimeError("prepare() the method with the data's token counts first (draft_vocab is set)")
+        return self._module
+
+    def needs(self) -> DataNeeds:
+        return DataNeeds(layers=self.shape.layers, block=self.settings.steps, mask_token_id=0,
+                         token_counts=self.settings.draft_vocab is not None)
+
+    def prepare(self, summary: DataSummary) -> None:
+        if self.settings.draft_vocab is None or self._module is not None:
+            return
+        if summary.token_counts is None:
+            raise ValueError("a draft vocabulary needs the data's token counts")
+        self.vocab = DraftVocab.most_frequent(summary.token_counts, self.settings.draft_vocab)
+        self.coverage = float(summary.token_counts[self.vocab.ids].sum() / summary.token_counts.sum().clamp_min(1))
+        self._module = self._build(self.vocab)
+
+    def loss(self, outputs: Tensor, batch: TrainBatch) -> LossOutput:
+        logits = outputs.float()  # [B, k, N]
+        k = logits.shape[1]
+        labels, valid, p_t = batch.labels[:, :k], batch.valid[:, :k], batch.p_t[:, :k]
+        valid = valid & (batch.anchor_pos > 0)[:, None]
+        if self.vocab is not None:  # EAGLE-3: supervise where the target's token can be drafted
+            ids = self.vocab.ids.to(p_t.device)
+            p_t = p_t[..., ids]
+            inside = self.vocab.t2d.to(labels.device)[labels.clamp_min(0)]
+            labels = self.vocab.to_draft(labels.clamp_min(0)).masked_fill(~inside, -1)
+            valid = valid & inside
+        ce = -(p_t * torch.log_softmax(logits, -1)).sum(-1)
+        weights = self.settings.decay ** torch.arange(k, dtype=logits.dtype, device=logits.device)
+        mask = valid.to(logits.dtype)
+        blocks = valid[:, 0].sum()
+        total = (ce * mask * weights).sum() / blocks.clamp_min(1)
+        hits = (logits.argmax(-1) == labels) & valid
+        tau = 1 + torch.cumprod(hits.to(logits.dtype), 1).sum(1)
+        counted = valid[:, 0]
+        return LossOutput(
+            total=total, blocks=blocks,
+            means={"ce": (ce * mask).sum() / mask.sum().clamp_min(1),
+                   "tau": (tau * counted).sum() / counted.sum().clamp_min(1)},
+            sums={"supervised": mask.sum()},
+            positions={"top1": (hits.sum(0).to(logits.dtype), mask.sum(0))})
+
+    def save(self, directory: Path, provenance: dict[str, Any]) -> None:
+        extra = {} if self.vocab is None else {"draft_vocab": self.vocab.size, "train_coverage": self.coverage}
+        save_eagle3(directory, self.module.model, {"kind": "eagle3", "gamma": self.settings.steps, **provenance,
+                                                   **extra}, target=self.target_name)
+
+    def load(self, directory: Path) -> None:
+        model, _ = load_eagle3(directory)
+        mine = self.module.model
+        if model.shape != mine.shape or (model.vocab is None) != (mine.vocab is None) or (
+                model.vocab is not None and not torch.equal(model.vocab.ids, mine.vocab.ids)):
+            raise DrafterCheckpointError(f"{directory}: its model ({model.shape}) differs from this run's "
+                                         f"({mine.shape}); resume with the same config and data")
+        mine.load_state_dict(model.state_dict())
+
+    def pipeline(self, directory: Path) -> dict[str, Any]:
+        return {"drafter": {"name": self.method, "checkpoint": str(directory), "gamma": self.settings.steps},
+                "correction_head": {"name": "none"}, "confidence": {"name": "constant"}}

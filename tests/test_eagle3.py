@@ -1,0 +1,163 @@
+"""The ``eagle3`` drafter: drafting agrees with training-time test, greedy parity in the engine,
+its reported law, training through the contract and its checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforge.config import EngineConfig, SamplingConfig, load_pipeline
+from specforge.engine import Engine, GenerationRequest
+from specforge.features import compute_features
+from specforge.plugins import PluginHost
+from specforge.target import TargetModel
+from specforge.training.config import TrainConfig
+from specforge.training.contract import TrainBatch
+from specforge.training.data import MemorySource
+from specforge.training.trainer import Trainer
+from specforge_plugins.drafters.checkpoints import DrafterCheckpointError
+from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter, eagle3_layers
+from specforge_plugins.drafters.eagle3.training import _Module
+from tiny_models import tiny_model
+
+from train_fixtures import one_thread, tiny_config, tiny_sequences, tiny_target  # noqa: F401 - fixtures
+
+VOCAB = 96
+PROMPTS = ([5], [5, 6, 7], [9, 3, 9, 3, 9], [11, 12, 13, 14, 15, 16, 17])
+
+
+@pytest.fixture(scope="module")
+def host():
+    return PluginHost().load()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return TargetModel(tiny_model("llama", seed=7, vocab=VOCAB, eos=None), None, torch.float32)
+
+
+def engine(target, host, drafter, temperature=0.0, new=12, batch=3, verifier="rejection"):
+    return Engine(target, host.create_verifier(verifier), drafter=drafter,
+                  correction_head=host.create_correction_head("none", {}),
+                  confidence=host.create_confidence("constant", {}), calibrator=host.create_calibrator("identity", {}),
+                  scheduler=host.create_scheduler("fixed", {}),
+                  sampling=SamplingConfig(temperature=temperature, max_new_tokens=new),
+                  engine=EngineConfig(max_batch=batch, max_context=96))
+
+
+def requests(new=12):
+    return [GenerationRequest(prompt_ids=p, max_new_tokens=new, seed=i) for i, p in enumerate(PROMPTS)]
+
+
+def test_fused_layers_follow_eagle3_and_stay_distinct_on_shallow_targets():
+    assert eagle3_layers(30) == (1, 14, 26)  # SmolLM2-135M: outputs of layers 1, L/2−1, L−4
+    assert eagle3_layers(32) == (1, 15, 28)
+    assert eagle3_layers(3) == (0, 1) and eagle3_layers(1) == (0,)
+
+
+def spy(drafter):
+    seen = []
+    original = drafter.draft
+
+    def draft(ctx):
+        block = original(ctx)
+        seen.append((ctx, block))
+        return block
+    drafter.draft = draft
+    return seen
+
+
+def test_drafting_computes_what_training_time_test_computes(target, host):
+    """Every round's chain logits (incremental KV cache over committed rows, own hidden states fed
+    back) equal the training module's on the same sequence with the drafted tokens as labels."""
+    drafter = Eagle3Drafter(Eagle3Config(gamma=4, seed=1))
+    drafter.bind(target)
+    seen = spy(drafter)
+    outs = engine(target, host, drafter, batch=2).generate(requests())
+    assert all(o.error is None for o in outs)
+    module = _Module(drafter.model, steps=4)
+    layers = list(drafter.feature_layers)
+    checked = 0
+    for ctx, block in seen:
+        for r, history in enumerate(ctx.histories):
+            n = int(block.lengths[r])
+            if n == 0:
+                continue
+            ids = history.clone()  # committed tokens; the anchor is the last
+            (feats,) = compute_features(target, [(ids, torch.ones_like(ids))], layers)
+            a = len(ids) - 1
+            labels = torch.zeros(1, 4, dtype=torch.long)
+            labels[0, :n] = block.tokens[r, :n]
+            batch = TrainBatch(block_ids=ids[a:a + 1][None], anchor_pos=torch.tensor([a]), anchor_ids=ids[a:a + 1],
+                               labels=labels, prev_ids=labels, valid=torch.ones(1, 4, dtype=torch.bool),
+                               ctx=feats.taps.flatten(1)[None], ctx_valid=torch.ones(1, len(ids), dtype=torch.bool),
+                               ctx_index=torch.tensor([0]), ctx_ids=ids[None])
+            with torch.no_grad():
+                logits = module(batch)[0, :n]
+            mine = block.logits[r, :n]
+            torch.testing.assert_close(mine, logits, rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked >= 8
+
+
+def test_greedy_output_is_the_target_greedy_output(target, host):
+    plain = Engine(target, host.create_verifier("greedy"), sampling=SamplingConfig(temperature=0.0, max_new_tokens=12),
+                   engine=EngineConfig(max_batch=3, max_context=96)).generate(requests())
+    outs = engine(target, host, Eagle3Drafter(Eagle3Config(gamma=3, seed=2))).generate(requests())
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.stats.drafted for o in outs) > 0
+
+
+def test_the_reported_law_is_the_sampled_law_on_the_draft_vocabulary(target, host):
+    drafter = Eagle3Drafter(Eagle3Config(gamma=3, seed=2, draft_vocab=20))
+    drafter.bind(target)
+    seen = spy(drafter)
+    outs = engine(target, host, drafter, temperature=1.0, new=8).generate(requests(new=8))
+    assert all(o.error is None for o in outs)
+    inside = drafter.draft_vocab.t2d
+    for _, block in seen:
+        if block.tokens.shape[1] == 0:
+            continue
+        torch.testing.assert_close(block.probs.sum(-1), torch.ones(block.probs.shape[:2]))
+        assert float(block.probs[..., ~inside].abs().max()) == 0.0
+        used = torch.arange(block.tokens.shape[1])[None] < block.lengths[:, None]
+        assert bool(inside[block.tokens[used]].all())
+        assert bool((block.probs.gather(2, block.tokens[..., None])[..., 0][used] > 0).all())
+
+
+def _train_config(tmp_path: Path, steps: int, **drafter) -> TrainConfig:
+    base = tiny_config(tmp_path, steps=steps).to_dict()
+    return TrainConfig.model_validate({**base, "drafter": {"name": "eagle3", "steps": 3, **drafter}})
+
+
+def test_eagle3_trains_through_the_contract_and_serves(tmp_path):
+    target = tiny_target()
+    config = _train_config(tmp_path, 30, draft_vocab=40)
+    layers = list(eagle3_layers(target.args.n_layers))
+    source = MemorySource(compute_features(target, tiny_sequences(), layers), layers)
+    trainer = Trainer(config, target=target, source=source, log=lambda _: None)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    assert history[-1]["ce"] < history[0]["ce"]
+    assert {"top1@1", "top1@3", "tau"} <= set(history[-1])
+    directory = tmp_path / "drafter"
+    meta = json.loads((directory / "config.json").read_text())
+    assert meta["method"] == "eagle3" and meta["eagle3"]["draft_vocab_size"] == 40
+    sections = trainer.method.pipeline(directory)
+    served = Engine.from_pipeline(load_pipeline(["default"], sections=sections), target)
+    (out,) = served.generate([GenerationRequest(prompt_ids=[3, 5, 7, 9], max_new_tokens=6, temperature=0)])
+    assert out.error is None and len(out.token_ids) == 6
+    # a medusa drafter refuses it by name; so does a target of another shape
+    from specforge_plugins.drafters.medusa import MedusaConfig, MedusaDrafter
+
+    with pytest.raises(DrafterCheckpointError, match=r"a 'eagle3' checkpoint .* \(serve it with drafter.name=eagle3\)"):
+        MedusaDrafter(MedusaConfig(checkpoint=str(directory)))
+    other = TargetModel(tiny_model("llama", seed=7, vocab=80, eos=None), None, torch.float32)
+    with pytest.raises(DrafterCheckpointError, match=r"trained for a target with vocab_size=96; the bound target "
+                                                     r"has vocab_size=80"):
+        Eagle3Drafter(Eagle3Config(checkpoint=str(directory))).bind(other)
