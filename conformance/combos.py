@@ -7,7 +7,9 @@ here, so a component from a package the suite has never seen enters with no edit
   with identity heads (``identity=True``, i.e. ``none``);
 * a confidence estimator that ``needs_any`` of the DraftBlock fields combines only with drafters
   that ``provides`` one of them;
-* a ``greedy_only`` verifier is only tried at temperature 0.
+* a ``greedy_only`` verifier is only tried at temperature 0;
+* a drafter that may propose token trees (``trees=True``) combines only with verifiers that
+  verify them (``trees=True``).
 
 Certification is refused, not tested, for what declares itself unfit: a lossy verifier
 (``lossless=False``) and a confidence estimator that is not pre-token.
@@ -66,6 +68,8 @@ def incompatibility(host: PluginHost, combo: Combination) -> str | None:
     head = host.get(ComponentKind.CORRECTION_HEAD, combo.correction_head).metadata
     if not (drafter.uses_correction_head or head.identity):
         return f"drafter {combo.drafter!r} runs no correction head, so only identity heads apply"
+    if drafter.trees and not host.get(ComponentKind.VERIFIER, combo.verifier).metadata.trees:
+        return f"drafter {combo.drafter!r} proposes token trees; verifier {combo.verifier!r} verifies chains only"
     confidence = host.get(ComponentKind.CONFIDENCE, combo.confidence).metadata
     if confidence.needs_any and not set(confidence.needs_any) & set(drafter.provides):
         return (f"confidence {combo.confidence!r} needs one of {list(confidence.needs_any)}; "

@@ -36,6 +36,7 @@ from specforge_plugins.verifiers import (
     gather_at,
     prepare,
 )
+from specforge_plugins.verifiers.tree import verify_tree
 
 __all__ = [
     "CLAIMS",
@@ -52,6 +53,8 @@ __all__ = [
     "ResampleTargetVerifier",
     "SampledTokenConfidence",
     "SharedUniformVerifier",
+    "TreeRejectedSubtreeVerifier",
+    "TreeStaleResidualVerifier",
     "WrongTemperatureDrafter",
 ]
 
@@ -312,6 +315,11 @@ CONTROL_CASES: dict[str, dict] = {
         "batch": 1, "vocab": 8,
     },
     "typical": {"pipeline": {**_REST, "drafter": _PROBE, "verifier": ("typical", {})}, "vocab": 8},
+    # Trees of three iid children each with two: siblings are rejected and subtrees exist.
+    "tree-stale-residual": {"pipeline": {**_REST, "drafter": ("random-tree", {"branching": [3, 2], "sharpness": 0.5}),
+                                         "verifier": ("tree-stale-residual", {})}, "vocab": 8},
+    "tree-rejected-subtree": {"pipeline": {**_REST, "drafter": ("random-tree", {"branching": [3, 2], "sharpness": 0.5}),
+                                           "verifier": ("tree-rejected-subtree", {})}, "vocab": 8},
 }
 
 # The subtle controls run in the probe case of the kind they belong to (probes.probe_cases), so
@@ -326,6 +334,51 @@ SUBTLE: dict[str, tuple[ComponentKind, dict]] = {
 # The statistic each subtle control is meant to be caught by.
 CLAIMS = {"cool-drafter": "draft law", "residual-off-by-one": "emission", "over-accept": "acceptance",
           "batch-shared": "cross-request", "peek-next": "selection"}
+
+
+# --- tree verifiers ---------------------------------------------------------------------------
+
+
+class TreeStaleResidualVerifier(RejectionVerifier):
+    """Tries every sibling against the node's fresh target law: the residual is never updated
+    after a rejected sibling (and a node whose children were all rejected emits from p)."""
+
+    def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, parents=None):
+        if parents is None:
+            return super().verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
+        inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
+        return verify_tree(self.accept_probability, lambda p, q, x: p, self.target_probs(inputs, sampling),
+                           inputs.tokens, inputs.probs, parents.to(torch.long), inputs.lengths, inputs.uniforms)
+
+
+def _through_rejected(parent: Tensor, cur: Tensor, rejected: Tensor) -> Tensor:
+    """A child of the current node, or of a node rejected on the way (its subtree leaks in)."""
+    return (parent == cur) | rejected.gather(1, (parent + 1)[:, None])[:, 0]
+
+
+class TreeRejectedSubtreeVerifier(RejectionVerifier):
+    """After rejecting a child, still tries that child's own children as candidates, and reads
+    the accepted path back from the deepest accepted node through its parents — so a rejected
+    child comes back into the output with its accepted child."""
+
+    def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, parents=None):
+        if parents is None:
+            return super().verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
+        inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
+        parents = parents.to(torch.long)
+        out = verify_tree(self.accept_probability, self.residual, self.target_probs(inputs, sampling),
+                          inputs.tokens, inputs.probs, parents, inputs.lengths, inputs.uniforms,
+                          child_of=_through_rejected)
+        path = torch.full_like(out.path, -1)
+        counts = torch.zeros_like(out.num_accepted)
+        for r, n in enumerate(out.num_accepted.tolist()):
+            chain, node = [], int(out.path[r, n - 1]) if n else -1
+            while node >= 0:
+                chain.append(node)
+                node = int(parents[r, node])
+            path[r, :len(chain)] = torch.tensor(chain[::-1], dtype=torch.long)
+            counts[r] = len(chain)
+        return VerifyOutput(num_accepted=counts, next_token=out.next_token, path=path)
 
 
 # --- registration -----------------------------------------------------------------------------
@@ -347,6 +400,10 @@ def specforge_register_verifiers(register):
              description="NEGATIVE CONTROL: accepts with probability min(1, 1.05·p/q)")
     register("batch-shared", BatchSharedVerifier, config=RejectionConfig, lossless=True,
              description="NEGATIVE CONTROL: request r's bonus token drawn with request r + 1's uniform")
+    register("tree-stale-residual", TreeStaleResidualVerifier, config=RejectionConfig, lossless=True, trees=True,
+             description="NEGATIVE CONTROL: tree walk without the residual update after a rejected sibling")
+    register("tree-rejected-subtree", TreeRejectedSubtreeVerifier, config=RejectionConfig, lossless=True,
+             trees=True, description="NEGATIVE CONTROL: tree walk that tries a rejected child's children")
 
 
 @hookimpl

@@ -24,6 +24,8 @@ point.
 from __future__ import annotations
 
 import torch
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
@@ -31,7 +33,12 @@ from specforge import hookimpl
 from specforge.components import DraftBlock, DraftContext
 from specforge.sampling import sample_with_uniform
 
-__all__ = ["RandomDrafter", "RandomDrafterConfig", "ShadowDrafter", "ShadowDrafterConfig"]
+__all__ = ["SUITE_DRAFTERS", "RandomDrafter", "RandomDrafterConfig", "RandomTreeConfig", "RandomTreeDrafter", "ShadowDrafter",
+           "ShadowDrafterConfig"]
+
+
+#: the suite's own drafters: parts of its cases, never components under test
+SUITE_DRAFTERS = frozenset({"random", "shadow", "random-tree"})
 
 
 class RandomDrafterConfig(BaseModel):
@@ -189,6 +196,96 @@ class ShadowDrafter:
         return torch.stack([memo[s] for s in seqs])
 
 
+class RandomTreeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    branching: tuple[int, ...] = Field((3, 2), min_length=1, description="children of every node, per depth")
+    children: Literal["iid", "distinct", "top"] = Field(
+        "iid", description="how siblings are drawn: independently from their parent's law; without replacement "
+                           "(q = the law given the siblings drawn before); or the top-k of that law (one-hot q)")
+    sharpness: float = Field(2.0, gt=0, description="scale of the random logits")
+    seed: int = Field(4321, description="seed of the random law table")
+    buckets: int = Field(64, ge=1, description="previous tokens share law rows modulo this")
+
+    @model_validator(mode="after")
+    def _size(self) -> RandomTreeConfig:
+        if tree_size(self.branching) > 63:
+            raise ValueError(f"a tree of branching {list(self.branching)} has {tree_size(self.branching)} nodes; "
+                             "at most 63")
+        return self
+
+
+def tree_size(branching: tuple[int, ...]) -> int:
+    total, level = 0, 1
+    for b in branching:
+        level *= b
+        total += level
+    return total
+
+
+class RandomTreeDrafter:
+    """Drafts a token *tree* of a fixed shape (``branching``), nodes in breadth-first order: the
+    children of a node with token t at depth d come from softmax(table[d, t mod buckets]), drawn
+    as ``children`` says, each reporting the law it was actually drawn from.  The probe of the
+    verifiers' tree walk: every sibling order, residual update and rejected subtree is met."""
+
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, config: RandomTreeConfig | None = None) -> None:
+        self.config = config or RandomTreeConfig()
+        c = self.config
+        parents, depth, first = [], [], [-1]  # first: the nodes of the previous level
+        for d, b in enumerate(c.branching):
+            level = []
+            for parent in first:
+                for _ in range(b):
+                    level.append(len(parents))
+                    parents.append(parent)
+                    depth.append(d)
+            first = level
+        self.parents = torch.tensor(parents, dtype=torch.long)
+        self.depth = torch.tensor(depth, dtype=torch.long)
+        self.gamma = len(parents)
+        self.table: Tensor | None = None
+
+    def bind(self, target) -> None:
+        v, c = target.vocab_size, self.config
+        gen = torch.Generator().manual_seed(c.seed)
+        self.table = torch.randn(len(c.branching), min(c.buckets, v), v, generator=gen) * c.sharpness
+
+    def release(self, request_id: int) -> None:
+        pass
+
+    def draft(self, ctx: DraftContext) -> DraftBlock:
+        if self.table is None:
+            raise RuntimeError("bind() the drafter to a target first")
+        r, g, v = len(ctx), self.gamma, self.table.shape[-1]
+        u = ctx.uniforms(g)
+        tokens = torch.zeros(r, g, dtype=torch.long)
+        probs = torch.zeros(r, g, v)
+        logits = torch.zeros(r, g, v)
+        taken: dict[int, Tensor] = {}  # parent node -> [R, V] siblings drawn so far
+        for j in range(g):
+            parent = int(self.parents[j])
+            prev = ctx.anchor if parent < 0 else tokens[:, parent]
+            row = self.table[self.depth[j], prev % self.table.shape[1]]  # [R, V]
+            law = torch.softmax(row, -1)
+            seen = taken.setdefault(parent, torch.zeros(r, v, dtype=torch.bool))
+            if self.config.children == "distinct":
+                law = torch.where(seen, 0.0, law)
+                law = law / law.sum(-1, keepdim=True)
+            if self.config.children == "top":
+                x = torch.where(seen, float("-inf"), row).argmax(-1)
+                law = torch.nn.functional.one_hot(x, v).to(law.dtype)
+            else:
+                x = sample_with_uniform(law, u[:, j])
+            seen[torch.arange(r), x] = True
+            tokens[:, j], probs[:, j], logits[:, j] = x, law, row
+        # breadth-first order: the nodes no deeper than max_tokens are a prefix of it
+        lengths = (self.depth[None, :] < ctx.max_tokens[:, None]).sum(1)
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=logits, anchor=ctx.anchor,
+                          parents=self.parents.expand(r, g))
+
+
 @hookimpl
 def specforge_register_drafters(register):
     register("random", RandomDrafter, config=RandomDrafterConfig, provides=("probs", "logits"),
@@ -198,3 +295,7 @@ def specforge_register_drafters(register):
              examples=({"gamma": 3}, {"gamma": 4, "temperature": 0.7, "noise": 0.1},
                        {"gamma": 3, "temperature": 1.0, "spike": 0.3}),
              description="TEST ONLY: the target's own law, perturbed, so that most drafts are accepted")
+    register("random-tree", RandomTreeDrafter, config=RandomTreeConfig, provides=("probs", "logits"), trees=True,
+             examples=({"branching": [3, 1]}, {"branching": [2, 2], "children": "distinct"},
+                       {"branching": [3, 2], "children": "top"}),
+             description="TEST ONLY: random token trees of a fixed shape, siblings iid, distinct or top-k")

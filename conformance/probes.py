@@ -10,7 +10,9 @@ kind       probe cases (horizon 4, vocabulary 8, T = 1 unless said)
 ========== ==================================================================================
 verifier   ``shadow`` with a per-position spike (long accepted prefixes, rejections at every
            depth, residuals far apart between positions); the one-hot (deterministic-draft)
-           path is met in the combinations with ``ngram``, under the same statistics
+           path is met in the combinations with ``ngram``, under the same statistics; a
+           verifier that verifies trees also meets ``random-tree`` (three i.i.d. children of
+           the anchor, two under each: rejected siblings, residual updates, subtrees)
 drafter    the drafter with ``rejection`` and ``fixed`` at T = 1, and at T = 0.8 with top-p 0.9
            (its reported q checked slot by slot by the draft-law statistic)
 confidence ``random`` (sequential, peaked) → the estimator → ``probe-median``: a slot is verified
@@ -40,6 +42,7 @@ from specforge.components import DraftBlock
 from specforge.config import DEFAULT_COMPONENTS
 from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
+from specforge_conformance.drafters import SUITE_DRAFTERS
 from specforge_conformance.exact import FAMILIES
 from specforge_conformance.harness import Case
 from specforge_conformance.stats import FitResult, detectable_tv, merge_cells
@@ -119,6 +122,7 @@ _DEFAULTS = {kind.value: (DEFAULT_COMPONENTS[kind], {}) for kind in ComponentKin
 _REJECTION = ("rejection", {})
 _SPIKY = ("shadow", {"gamma": 3, "temperature": 1.0, "noise": 0.05, "spike": 0.3})
 _SEQUENTIAL = ("random", {"gamma": 3, "sharpness": 2.0})
+_TREE = ("random-tree", {"branching": [3, 2]})
 
 
 def _pipeline(**slots) -> dict:
@@ -143,11 +147,15 @@ def probe_cases(host: PluginHost, kind: ComponentKind, name: str, n: int, seed: 
         if not meta.lossless:
             return []
         spiky = Case(pipeline=_pipeline(drafter=_SPIKY, verifier=mine), batch=256)
+        cases = [spiky]
+        if meta.trees:  # and its walk over trees: rejected siblings, residual updates, subtrees
+            cases.append(Case(pipeline=_pipeline(drafter=_TREE, verifier=mine), batch=64))
         if meta.greedy_only:
-            return [_finish(replace(spiky, temperature=0.0), n, seed, "verifier")]
-        return [_finish(spiky, n, seed, "verifier")]
+            cases = [replace(c, temperature=0.0) for c in cases]
+        # the tree case at half the chain case's N: its output law is all it is tested on
+        return [_finish(c, n if c is spiky else n // 2, seed, "verifier") for c in cases]
     if kind is ComponentKind.DRAFTER:
-        if name in ("random", "shadow"):
+        if name in SUITE_DRAFTERS:
             return []
         pipeline = _pipeline(drafter=mine)
         if meta.uses_correction_head:
@@ -195,7 +203,7 @@ def _sequential_for(host: PluginHost, needs: set[str]) -> dict | None:
         return {"drafter": _SEQUENTIAL}
     for name in host.names(ComponentKind.DRAFTER):
         meta = host.get(ComponentKind.DRAFTER, name).metadata
-        if name in ("random", "shadow") or not needs & set(meta.provides):
+        if name in SUITE_DRAFTERS or not needs & set(meta.provides):
             continue
         slots = {"drafter": (name, _example(host, ComponentKind.DRAFTER, name, 0))}
         if meta.uses_correction_head:

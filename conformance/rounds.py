@@ -115,13 +115,15 @@ class RoundRecorder:
         self.pair_strata.append(torch.full((int(both.sum()),), stratum, dtype=torch.long))
 
     def on_verify(self, verifier, logits: Tensor, tokens: Tensor, probs: Tensor | None, lengths: Tensor,
-                  sampling, out) -> None:
+                  sampling, out, tree: bool = False) -> None:
         g = tokens.shape[1]
         lengths = lengths.to(torch.long)
         if probs is not None and g:
             rows, cols = (torch.arange(g)[None, :] < lengths[:, None]).nonzero(as_tuple=True)
             self.selection.add(probs[rows, cols], tokens[rows, cols], cols, self._u(rows.numel()))
-        if not self.law_declared:
+        # Acceptance and emission replay the chain rule position by position; a tree round's walk
+        # is checked by the law of its output (sequence, independence, cross-request) instead.
+        if not self.law_declared or tree:
             return
         n = out.num_accepted.to(torch.long)
         p = warp(logits, sampling)
@@ -180,7 +182,9 @@ class _ObservedVerifier:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms):
-        out = self._inner.verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
-        self._recorder.on_verify(self._inner, target_logits, draft_tokens, draft_probs, lengths, sampling, out)
+    def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, parents=None):
+        tree = {} if parents is None else {"parents": parents}
+        out = self._inner.verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, **tree)
+        self._recorder.on_verify(self._inner, target_logits, draft_tokens, draft_probs, lengths, sampling, out,
+                                 tree=parents is not None)
         return out

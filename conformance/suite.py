@@ -245,7 +245,7 @@ def components_in_play(host: PluginHost, combos: Iterable[Combination], plugins:
             item = (ComponentKind(slot), name)
             if item in seen or name in probes.PROBE_ONLY or (wanted and name not in wanted):
                 continue
-            if item[0] is ComponentKind.DRAFTER and name in ("random", "shadow"):
+            if item[0] is ComponentKind.DRAFTER and name in probe_drafters.SUITE_DRAFTERS:
                 continue
             seen.append(item)
     return seen

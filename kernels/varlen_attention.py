@@ -5,7 +5,10 @@ rows ``cu_seqlens[r]:cu_seqlens[r+1]`` of ``q`` (``[N, Hq, D]``), which sit at a
 ``start_pos[r] + i``; its keys and values are ``k_cache[slots[r], :, :start_pos[r] + n_r]`` of
 ``k_cache, v_cache: [S, Hkv, T, D]`` (the new tokens' K/V are already written there).  The token
 at position ``p`` attends keys ``0..p`` of its own slot; query head ``h`` reads kv head
-``h // (Hq // Hkv)`` (GQA).  Nothing past a request's last written position is ever attended to,
+``h // (Hq // Hkv)`` (GQA).  A *tree* pass (a token tree verified at once) replaces the causal
+rule inside each run: ``tree[i]`` is a bitmask over the run's own tokens and token i sees bit j's
+token iff it is set (its ancestors and itself), and every key before the run.  Nothing past a
+request's last written position is ever attended to,
 so the rest of a slot may hold anything (stale entries after a rollback, another request's
 leftovers) — finite values only for the padded path of :func:`varlen_attention_planned`, which
 reads them under a mask.
@@ -42,6 +45,7 @@ except ImportError:  # the torch twin must keep working where Triton is not inst
 __all__ = [
     "VarlenPlan",
     "plan_varlen_attention",
+    "tree_mask",
     "varlen_attention",
     "varlen_attention_planned",
     "varlen_attention_reference",
@@ -151,6 +155,7 @@ def varlen_attention_reference(
     slots: Tensor,
     start_pos: Tensor,
     scale: float,
+    tree: Tensor | None = None,
 ) -> Tensor:
     """Pure-torch varlen causal attention: ``[N, Hq, D]`` in ``q``'s dtype.
 
@@ -162,11 +167,26 @@ def varlen_attention_reference(
     its slice, so it needs no mask at all.
     """
     cu, sl, sp = _check(q, k_cache, v_cache, cu_seqlens, slots, start_pos)
-    return _attend_per_request(q, k_cache, v_cache, cu, sl, sp, scale)
+    return _attend_per_request(q, k_cache, v_cache, cu, sl, sp, scale, _tree_bits(tree, q.shape[0]))
+
+
+def _tree_bits(tree: Tensor | None, n_tokens: int) -> Tensor | None:
+    if tree is None:
+        return None
+    if tree.shape != (n_tokens,) or tree.dtype != torch.int64:
+        raise ValueError(f"tree must be [N={n_tokens}] int64 bitmasks, got {tuple(tree.shape)} {tree.dtype}")
+    return tree
+
+
+def tree_mask(bits: Tensor, n: int, start: int) -> Tensor:
+    """``[n, start + n]`` bool: every key before the run, then run token j where bit j is set."""
+    own = ((bits[:, None] >> torch.arange(n, device=bits.device)[None, :]) & 1).bool()
+    return torch.cat([own.new_ones(n, start), own], 1)
 
 
 def _attend_per_request(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, cu: list[int], sl: list[int], sp: list[int], scale: float
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cu: list[int], sl: list[int], sp: list[int], scale: float,
+    tree: Tensor | None = None,
 ) -> Tensor:
     n_tokens, hq, d = q.shape
     gqa = bool(hq != k_cache.shape[1])  # a plain bool also under torch.compile's symbolic shapes
@@ -182,7 +202,10 @@ def _attend_per_request(
         k = k_cache[sl[r] : sl[r] + 1, :, :length]
         v = v_cache[sl[r] : sl[r] + 1, :, :length]
         qr = q[a:b].transpose(0, 1)[None]  # [1, Hq, n, D]
-        if n == 1:
+        if tree is not None and n > 1:  # a token tree: each node sees its ancestors (and the prefix)
+            mask = tree_mask(tree[a:b].to(q.device), n, sp[r])
+            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        elif n == 1:
             o = F.scaled_dot_product_attention(qr, k, v, scale=scale, enable_gqa=gqa)
         elif length == n:
             # A prefill from position 0: SDPA's top-left aligned causal mask is exactly ours,
@@ -229,6 +252,7 @@ class VarlenPlan:
     slots: list[int]
     start: list[int]
     padded: _Padded | None
+    tree: Tensor | None = None  # [N] int64 bitmasks of a tree pass (always the per-request path)
 
 
 # Decode and verify runs are short: up to this many tokens per request go through one padded SDPA.
@@ -243,6 +267,7 @@ def plan_varlen_attention(
     n_tokens: int,
     q_heads: int,
     batched: bool | None = None,
+    tree: Tensor | None = None,
 ) -> VarlenPlan:
     """Validate the metadata of an ``n_tokens`` pass (``q_heads`` query heads) against
     ``k_cache``'s shape and plan it.
@@ -268,6 +293,8 @@ def plan_varlen_attention(
     n_slots, hkv, capacity, _ = k_cache.shape
     group = max(1, q_heads // hkv)
     cu, sl, sp = _host_meta(n_tokens, n_slots, capacity, cu_seqlens, slots, start_pos)
+    if tree is not None:  # tree passes are rare (tree drafters only): the per-request masked path
+        return VarlenPlan(cu, sl, sp, None, _tree_bits(tree, n_tokens))
     padded = None
     if batched is None:
         runs = [cu[r + 1] - cu[r] for r in range(len(sl))]
@@ -326,7 +353,7 @@ def varlen_attention_planned(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: 
     """
     p = plan.padded
     if p is None:
-        return _attend_per_request(q, k_cache, v_cache, plan.cu, plan.slots, plan.start, scale)
+        return _attend_per_request(q, k_cache, v_cache, plan.cu, plan.slots, plan.start, scale, plan.tree)
     n_tokens, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -363,7 +390,7 @@ if triton is not None:
 
     @triton.jit
     def _varlen_attn_fwd(
-        Q, K, V, O, CU, SLOTS, START,
+        Q, K, V, O, CU, SLOTS, START, TREE,
         qk_scale,  # softmax scale * log2(e): the kernel exponentiates in base 2
         stride_qn, stride_qh, stride_qd,
         stride_ks, stride_kh, stride_kt, stride_kd,
@@ -376,6 +403,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         DOT_IN_FP32: tl.constexpr,
+        HAS_TREE: tl.constexpr,
     ):
         req = tl.program_id(0)
         m_block = tl.program_id(1)
@@ -410,6 +438,10 @@ if triton is not None:
         # bound never passes start + n, so nothing beyond the request's written positions is
         # loaded (masked loads give 0, which cannot turn into NaN the way garbage would).
         kv_end = start + tl.minimum(n, m_start + BLOCK_M)
+        if HAS_TREE:
+            # a node's ancestors precede it in the run, so the causal bound above still holds;
+            # padding rows read all bits set (they see every key, like the causal padding rows)
+            bits = tl.load(TREE + row0 + offs_m, mask=m_ok, other=-1)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -427,7 +459,13 @@ if triton is not None:
             s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
             # Padding rows (offs_m >= n) sit past every key and so see all of them: no row is
             # ever fully masked, and key 0 in the first block keeps m_i finite from then on.
-            s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+            if HAS_TREE:
+                rel = tl.maximum(offs_n - start, 0).to(tl.int64)
+                own = ((bits[:, None] >> rel[None, :]) & 1) == 1
+                visible = (offs_n[None, :] < start) | own
+            else:
+                visible = offs_n[None, :] <= q_pos[:, None]
+            s = tl.where(visible & n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -503,8 +541,9 @@ def varlen_attention_triton(
     slots: Tensor,
     start_pos: Tensor,
     scale: float,
+    tree: Tensor | None = None,
 ) -> Tensor:
-    """Triton varlen causal attention; same contract as :func:`varlen_attention_reference`.
+    """Triton varlen causal (or tree) attention; same contract as :func:`varlen_attention_reference`.
 
     One program per (request, block of ``BLOCK_M`` queries, query head), streaming key blocks of
     the request's slot up to the block's causal limit with an online softmax accumulated in
@@ -517,6 +556,9 @@ def varlen_attention_triton(
         if t.device != q.device:  # the kernel dereferences them as device pointers
             raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
     cu, _, _ = _check(q, k_cache, v_cache, cu_seqlens, slots, start_pos)
+    tree = _tree_bits(tree, q.shape[0])
+    if tree is not None and tree.device != q.device:
+        raise ValueError(f"tree must be on q's device ({q.device}), got {tree.device}")
     n_tokens, hq, d = q.shape
     hkv = k_cache.shape[1]
     out = torch.empty((n_tokens, hq, d), dtype=q.dtype, device=q.device)
@@ -528,9 +570,10 @@ def varlen_attention_triton(
     meta = _launch_meta(q.dtype, d, hq // hkv, max_n, _KERNEL_INTERPRETED)
     grid = (n_req, triton.cdiv(max_n, meta["BLOCK_M"]), hq)
     _varlen_attn_fwd[grid](
-        q, k_cache, v_cache, out, cu_seqlens, slots, start_pos,
+        q, k_cache, v_cache, out, cu_seqlens, slots, start_pos, cu_seqlens if tree is None else tree,
         float(scale) * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        HAS_TREE=tree is not None,
         **meta,
     )
     return out
@@ -550,8 +593,9 @@ def varlen_attention(
     start_pos: Tensor,
     scale: float,
     backend: Backend = "auto",
+    tree: Tensor | None = None,
 ) -> Tensor:
-    """Varlen causal attention over a slotted KV cache (see the module docstring).
+    """Varlen causal (or tree) attention over a slotted KV cache (see the module docstring).
 
     ``backend="auto"`` runs the Triton kernel for CUDA tensors and the torch twin otherwise;
     ``"torch"`` and ``"triton"`` force one.  ``"triton"`` on CPU tensors works only when the
@@ -560,7 +604,7 @@ def varlen_attention(
     if backend == "auto":
         backend = "triton" if q.is_cuda and triton is not None else "torch"
     if backend == "torch":
-        return varlen_attention_reference(q, k_cache, v_cache, cu_seqlens, slots, start_pos, scale)
+        return varlen_attention_reference(q, k_cache, v_cache, cu_seqlens, slots, start_pos, scale, tree)
     if backend == "triton":
-        return varlen_attention_triton(q, k_cache, v_cache, cu_seqlens, slots, start_pos, scale)
+        return varlen_attention_triton(q, k_cache, v_cache, cu_seqlens, slots, start_pos, scale, tree)
     raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")

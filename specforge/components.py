@@ -71,6 +71,11 @@ class DraftBlock:
             them; confidence estimators may read them because they are pre-token.
         hidden: ``[R, G, d]`` the backbone hidden state h_k of each slot, when there is one.
         anchor: ``[R]`` x_0, the last committed token.
+        parents: ``[R, G]`` for a token *tree*: the slot of each node's parent (−1: a child of
+            x_0), every parent before its children, at most 63 nodes; ``probs[r, j]`` is then the
+            law node j was drawn from given its path and the siblings drawn before it.  ``None``:
+            a chain (slot k's parent is k − 1).  The first ℓ_r slots the scheduler keeps must
+            still form a tree — they do, since parents come first.
     """
 
     tokens: Tensor
@@ -79,6 +84,7 @@ class DraftBlock:
     logits: Tensor | None = None
     hidden: Tensor | None = None
     anchor: Tensor | None = None
+    parents: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,11 @@ class Verifier(Protocol):
         uniforms: Tensor,
     ) -> VerifyOutput:
         """Verify a batch whose requests check different numbers of tokens.
+
+        A verifier that also verifies token trees takes a keyword ``parents`` (``[R, G]``, see
+        :class:`DraftBlock`); row j + 1 of ``target_logits`` is then the target's law after
+        node j's path, and it returns the accepted path in :attr:`VerifyOutput.path`.  The
+        engine hands a tree only to a verifier whose ``verify`` has that parameter.
 
         Args:
             target_logits: ``[R, G+1, V]`` raw target logits; row ``j`` is the target's
@@ -302,7 +313,8 @@ class DraftContext:
         histories: each request's committed tokens (prompt and output), ending with the anchor
             x_0 — the last committed token, which the target has not consumed yet.
         max_tokens: ``[R]`` the most draft tokens worth proposing for each request (≤ γ; smaller
-            near a token or context limit).  A drafter may propose fewer.
+            near a token or context limit).  A drafter may propose fewer.  For a token tree it
+            bounds the depth; the engine caps the node count by the room left in the cache.
         sampling: each request's temperature / top-k / top-p; a sampling drafter draws x_k from
             ``warp(logits_k, sampling)`` and reports that law as ``probs``.
         generators: one seeded generator per request for the drafter's own randomness.

@@ -63,6 +63,9 @@ class DrafterMeta(_Meta):
     provides: tuple[BlockField, ...] = ()
     # Whether the drafter runs a correction head; if not, only identity heads combine with it.
     uses_correction_head: bool = False
+    # Whether it may propose token trees (DraftBlock.parents): it then pairs only with verifiers
+    # that declare ``trees``.
+    trees: bool = False
     # The training method (specforge.training.contract): a class with a ``config`` model, built
     # as ``training(config, target)``.  None: the drafter cannot be trained by ``specforge train``.
     training: Any = Field(None, exclude=True)
@@ -109,6 +112,7 @@ class SchedulerMeta(_Meta):
 class VerifierMeta(_Meta):
     lossless: bool
     greedy_only: bool = False
+    trees: bool = False  # its verify takes ``parents``: it verifies token trees too
 
 
 # --- the kinds ---------------------------------------------------------------------------------

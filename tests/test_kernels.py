@@ -115,8 +115,23 @@ def make_case(
     )
 
 
-def oracle(case: Case) -> torch.Tensor:
-    """Per token, per head: explicit softmax over keys 0..p of the request's slot, in float64."""
+def random_tree_bits(runs: list[tuple[int, int]], seed: int = 0) -> torch.Tensor:
+    """Per flat token, the bitmask of its ancestors-or-self in a random tree over its run (token 0
+    the root, every parent before its child)."""
+    rng = random.Random(seed)
+    bits = []
+    for n, _ in runs:
+        own: list[int] = []
+        for i in range(n):
+            parent = rng.randrange(i) if i else -1
+            own.append((own[parent] if parent >= 0 else 0) | (1 << i))
+        bits += own
+    return torch.tensor(bits, dtype=torch.int64)
+
+
+def oracle(case: Case, tree: torch.Tensor | None = None) -> torch.Tensor:
+    """Per token, per head: explicit softmax over keys 0..p of the request's slot (with ``tree``:
+    the keys before the run and the token's ancestors-or-self), in float64."""
     q, k_cache, v_cache = case.q.to(F64), case.k_cache, case.v_cache
     n_tokens, hq, d = q.shape
     group = hq // k_cache.shape[1]
@@ -125,9 +140,11 @@ def oracle(case: Case) -> torch.Tensor:
     for r, (slot, start) in enumerate(zip(case.slots.tolist(), case.start_pos.tolist())):
         for i in range(cu[r + 1] - cu[r]):
             row, pos = cu[r] + i, start + i
+            seen = list(range(pos + 1)) if tree is None else (
+                list(range(start)) + [start + j for j in range(i + 1) if (int(tree[row]) >> j) & 1])
             for h in range(hq):
-                keys = k_cache[slot, h // group, : pos + 1].to(F64)
-                values = v_cache[slot, h // group, : pos + 1].to(F64)
+                keys = k_cache[slot, h // group, seen].to(F64)
+                values = v_cache[slot, h // group, seen].to(F64)
                 scores = keys @ q[row, h] * case.scale
                 weights = torch.exp(scores - scores.max())
                 out[row, h] = (weights / weights.sum()) @ values
@@ -137,6 +154,25 @@ def oracle(case: Case) -> torch.Tensor:
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     assert not torch.isnan(actual).any(), "NaN in the output: garbage leaked"
     torch.testing.assert_close(actual.to(F64), expected.to(F64), **TOL[dtype])
+
+
+def test_tree_attention_sees_ancestors_and_the_prefix_only():
+    """A tree pass: each token attends every key before its run and its ancestors-or-self in it
+    (the twin and the planned path agree with the float64 oracle; a chain's bits are causal)."""
+    runs = [(5, 20), (1, 9), (16, 40), (8, 0), (3, 77)]
+    case = make_case(runs)
+    tree = random_tree_bits(runs, seed=1)
+    out = va.varlen_attention_reference(*case.args(), tree)
+    assert_close(out, oracle(case, tree), torch.float32)
+    plan = va.plan_varlen_attention(case.cu_seqlens, case.slots, case.start_pos, case.k_cache, case.q.shape[0],
+                                    case.q.shape[1], tree=tree)
+    assert plan.padded is None
+    assert torch.equal(va.varlen_attention_planned(case.q, case.k_cache, case.v_cache, plan, case.scale), out)
+    chain = torch.cat([torch.tensor([(1 << (i + 1)) - 1 for i in range(n)]) for n, _ in runs])
+    torch.testing.assert_close(va.varlen_attention_reference(*case.args(), chain),
+                               va.varlen_attention_reference(*case.args()))
+    with pytest.raises(ValueError, match="tree must be"):
+        va.varlen_attention_reference(*case.args(), tree[:-1])
 
 
 # Batches shared by the twin tests and the interpreter tests: (id, runs, make_case options).
@@ -332,6 +368,7 @@ def test_kernel_compiles_for_gpu(monkeypatch, tmp_path, dtype, head_dim, max_n, 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a real compile, not a cache hit
     fn = va._varlen_attn_fwd
     meta = va._launch_meta(dtype, head_dim, 3, max_n, interpreted=False)
+    meta["HAS_TREE"] = max_n == 16  # the verify-sized launch also compiles with the tree mask
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     ptr = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
     signature = {}
@@ -340,7 +377,7 @@ def test_kernel_compiles_for_gpu(monkeypatch, tmp_path, dtype, head_dim, max_n, 
             signature[name] = "constexpr"
         elif name in ("Q", "K", "V", "O"):
             signature[name] = ptr
-        elif name in ("CU", "SLOTS", "START"):
+        elif name in ("CU", "SLOTS", "START", "TREE"):
             signature[name] = "*i64"
         elif name == "qk_scale":
             signature[name] = "fp32"
@@ -404,6 +441,14 @@ if IN_CHILD:
         runs, opts = _random_runs(100 + seed)
         case = make_case(runs, **opts)
         assert_close(va.varlen_attention_triton(*case.args()), va.varlen_attention_reference(*case.args()), torch.float32)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_interp_triton_tree_matches_twin(dtype):
+        runs = [(5, 20), (1, 9), (16, 40), (8, 0), (3, 77)]
+        case = make_case(runs, dtype=dtype)
+        tree = random_tree_bits(runs, seed=2)
+        assert_close(va.varlen_attention_triton(*case.args(), tree), va.varlen_attention_reference(*case.args(), tree),
+                     dtype)
 
     def test_interp_triton_matches_oracle():
         # Transitivity aside, one direct check against the float64 oracle.

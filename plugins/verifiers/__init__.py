@@ -36,12 +36,14 @@ __all__ = [
 
 @hookimpl
 def specforge_register_verifiers(register):
-    register("rejection", RejectionVerifier, config=RejectionConfig, lossless=True,
+    # Every shipped verifier verifies token trees too: the recursive walk of tree.py under its own
+    # per-position law (for rejection, SpecInfer's multi-candidate rule).
+    register("rejection", RejectionVerifier, config=RejectionConfig, lossless=True, trees=True,
              description="speculative rejection sampling: accept if u·q(x) < p(x), "
                          "else sample norm(max(p − q, 0))")
-    register("match", MatchVerifier, config=MatchConfig, lossless=True,
+    register("match", MatchVerifier, config=MatchConfig, lossless=True, trees=True,
              description="sample-and-match (DFlash): draw y ~ p, accept iff y == x, else emit y")
-    register("greedy", GreedyVerifier, config=GreedyConfig, lossless=True, greedy_only=True,
+    register("greedy", GreedyVerifier, config=GreedyConfig, lossless=True, greedy_only=True, trees=True,
              description="temperature 0: accept while x == argmax p, emit the arg-max")
-    register("typical", TypicalVerifier, config=TypicalConfig, lossless=False,
+    register("typical", TypicalVerifier, config=TypicalConfig, lossless=False, trees=True,
              description="Medusa typical acceptance, p(x) > min(ε, δ·exp(−H(p))) — lossy")

@@ -25,6 +25,7 @@ from specforge.sampling import (
     sample_with_uniform,
     warp,
 )
+from specforge_plugins.verifiers.tree import check_parents, verify_tree
 
 __all__ = ["BaseVerifier", "VerifyInputs", "accepted_prefix", "gather_at", "prepare"]
 
@@ -163,10 +164,18 @@ class BaseVerifier(ABC):
         lengths: Tensor,
         sampling: SamplingParams,
         uniforms: Tensor,
+        parents: Tensor | None = None,
     ) -> VerifyOutput:
-        """See :class:`specforge.components.Verifier`."""
+        """See :class:`specforge.components.Verifier`.  With ``parents`` (a token tree) the
+        children of each node are tried in turn under this verifier's own per-position law
+        (:func:`~specforge_plugins.verifiers.tree.verify_tree`)."""
         inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
-        return self._verify(inputs, sampling)
+        if parents is None:
+            return self._verify(inputs, sampling)
+        parents = parents.to(device=inputs.tokens.device, dtype=torch.long)
+        check_parents(parents, inputs.lengths)
+        return verify_tree(self.accept_probability, self.residual, self.target_probs(inputs, sampling), inputs.tokens,
+                           inputs.probs, parents, inputs.lengths, inputs.uniforms)
 
     def target_probs(self, inputs: VerifyInputs, sampling: SamplingParams) -> Tensor:
         """Warped target law of every row, checked on the rows that are used."""

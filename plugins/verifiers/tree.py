@@ -25,7 +25,7 @@ from torch import Tensor
 from specforge.components import VerifyOutput
 from specforge.sampling import sample_with_uniform
 
-__all__ = ["check_parents", "verify_tree"]
+__all__ = ["check_parents", "is_child", "verify_tree"]
 
 
 def check_parents(parents: Tensor, lengths: Tensor) -> None:
@@ -39,8 +39,15 @@ def check_parents(parents: Tensor, lengths: Tensor) -> None:
                          "(parents must come before their children)")
 
 
+def is_child(parent: Tensor, cur: Tensor, rejected: Tensor) -> Tensor:
+    """Whether a node whose parent is ``parent [R]`` is a child of the walk's current node
+    ``cur [R]`` (``rejected [R, G+1]``: the nodes rejected so far, shifted by one for the anchor,
+    which a correct walk never reads; the conformance suite's controls do)."""
+    return parent == cur
+
+
 def verify_tree(accept_probability, residual, p: Tensor, tokens: Tensor, probs: Tensor | None, parents: Tensor,
-                lengths: Tensor, uniforms: Tensor) -> VerifyOutput:
+                lengths: Tensor, uniforms: Tensor, child_of=is_child) -> VerifyOutput:
     """The walk of the module docstring, vectorised over requests, one step per node.
 
     ``p [R, G+1, V]`` warped target laws per row; ``tokens``/``parents [R, G]``; ``probs
@@ -55,8 +62,9 @@ def verify_tree(accept_probability, residual, p: Tensor, tokens: Tensor, probs: 
     law = p[:, 0].clone()
     depth = torch.zeros(r, dtype=torch.long, device=p.device)
     path = torch.full((r, g), -1, dtype=torch.long, device=p.device)
+    rejected = torch.zeros(r, g + 1, dtype=torch.bool, device=p.device)
     for j in range(g):
-        child = (j < lengths) & (parents[:, j] == cur)
+        child = (j < lengths) & child_of(parents[:, j], cur, rejected)
         if not bool(child.any()):
             continue
         x = tokens[:, j]
@@ -65,6 +73,7 @@ def verify_tree(accept_probability, residual, p: Tensor, tokens: Tensor, probs: 
         reject = child & ~accept
         if bool(reject.any()):
             law = torch.where(reject[:, None], residual(law, q, x), law)
+            rejected[:, j + 1] = reject
         if bool(accept.any()):
             path[rows[accept], depth[accept]] = j
             depth = depth + accept.to(torch.long)

@@ -7,6 +7,11 @@ verification the cache keeps x_0 and the accepted drafts (moving the length back
 and the emitted correction/bonus token becomes the new anchor.  Plain decoding is the same round
 with no drafter (ℓ = 0).
 
+A drafter may propose a token *tree* instead of a chain (``DraftBlock.parents``): the round then
+feeds ``[x_0, node_1 … node_ℓ]`` as one tree pass (each node sees its ancestors, at RoPE position
+anchor + depth), the verifier returns the accepted path, and the rollback moves that path's K/V to
+the consecutive positions after the anchor before the cache length is set.
+
 A drafter that declares ``feature_layers`` (DSpark, DFlash, Eagle3) gets the target's hidden
 states at those layers for exactly the positions each pass commits to the cache (the prefill's
 prompt tokens, then the anchor and accepted drafts of each verify pass), through
@@ -15,6 +20,7 @@ prompt tokens, then the anchor and accepted drafts of each verify pass), through
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -142,6 +148,11 @@ class Engine:
                              f"but the target has {depth} layers (0..{depth - 1})")
         self.taps = taps
 
+    @property
+    def _verifies_trees(self) -> bool:
+        """Whether the verifier's ``verify`` takes ``parents`` (token trees)."""
+        return "parents" in inspect.signature(self.verifier.verify).parameters
+
     @classmethod
     def from_pipeline(cls, pipeline: PipelineConfig, target: TargetModel | None = None) -> Engine:
         """Build the target (unless given) and every component a validated pipeline names."""
@@ -259,7 +270,15 @@ class Engine:
         clock = self._lap("draft", clock)
         g = int(lengths.max()) if len(states) else 0
         runs = [[s.history[-1], *block.tokens[r, : int(lengths[r])].tolist()] for r, s in enumerate(states)]
-        batch = VarlenBatch.build(runs, [s.slot for s in states], [len(s.history) - 1 for s in states])
+        parents = block.parents
+        if parents is not None:
+            if not self._verifies_trees:
+                raise ConfigError([f"the drafter proposes token trees; the verifier {type(self.verifier).__name__} "
+                                   "verifies chains only (its verify takes no parents)"])
+            parents = parents[:, :g].to(torch.long)
+            run_parents = [[-1, *(parents[r, : int(lengths[r])] + 1).tolist()] for r in range(len(states))]
+        batch = VarlenBatch.build(runs, [s.slot for s in states], [len(s.history) - 1 for s in states],
+                                  parents=None if parents is None else run_parents)
         # Row j of request r lives at flat index cu[r] + j; pad rows past ℓ_r repeat its last row.
         # The LM head projects exactly these rows, already in [R, γ+1] order: no second copy of
         # the (large) logits to regroup them, and plain decoding projects just R rows.
@@ -277,9 +296,10 @@ class Engine:
             # logits[keep] would copy all of the round's logits just to select every row.
             whole = len(keep) == len(states)
             try:
+                tree = {} if parents is None else {"parents": parents[keep]}
                 result = self.verifier.verify(logits if whole else logits[keep], tokens[keep],
                                               None if probs is None else (probs if whole else probs[keep]),
-                                              lengths[keep], _select(sampling, keep), uniforms[keep])
+                                              lengths[keep], _select(sampling, keep), uniforms[keep], **tree)
                 break
             except NonFiniteError as exc:  # drop the offending request, verify the rest
                 bad = keep[exc.request] if exc.request is not None else None
@@ -290,10 +310,21 @@ class Engine:
                 if not keep:
                     return events
         clock = self._lap("verify", clock)
+        # The run rows each request keeps: its anchor, then the accepted drafts — the first n of
+        # a chain, the path's nodes of a tree (whose K/V move to the positions after the anchor).
+        kept_rows = [list(range(int(n) + 1)) for n in result.num_accepted.tolist()]
+        drafts = [tokens[r] for r in keep]
+        if parents is not None:
+            for i, r in enumerate(keep):
+                path = result.path[i, : int(result.num_accepted[i])].tolist()
+                kept_rows[i] = [0, *(j + 1 for j in path)]
+                drafts[i] = tokens[r, path] if path else tokens[r, :0]
+                start = len(states[r].history) - 1
+                self.cache.compact(states[r].slot, [start + j for j in kept_rows[i]], start)
         if self.taps:
-            self._keep_features(states, keep, result.num_accepted, batch, out.taps)
+            self._keep_features(states, keep, kept_rows, batch, out.taps)
         for i, r in enumerate(keep):
-            events.append(self._commit(states[r], tokens[r], int(lengths[r]), int(block.lengths[r]),
+            events.append(self._commit(states[r], drafts[i], int(lengths[r]), int(block.lengths[r]),
                                        int(result.num_accepted[i]), int(result.next_token[i])))
         self._lap("commit", clock)
         return events
@@ -323,7 +354,12 @@ class Engine:
         clock = time.perf_counter()
         block = self.drafter.draft(ctx)
         clock = self._lap("drafter", clock)
-        block_lengths = torch.minimum(block.lengths.to(torch.long), ctx.max_tokens)
+        if block.parents is None:
+            block_lengths = torch.minimum(block.lengths.to(torch.long), ctx.max_tokens)
+        else:  # a tree: max_tokens bounds its depth (a deeper path is cut by the commit's token
+            # limit); its node count only has to fit the cache behind the anchor
+            cache_room = torch.tensor([self.context_limit - len(s.history) for s in states], dtype=torch.long)
+            block_lengths = torch.minimum(block.lengths.to(torch.long), cache_room.clamp_min(0))
         if block.tokens.shape[1] == 0:
             return block, block_lengths
         confidence = self.confidence.estimate(block)
@@ -347,15 +383,17 @@ class Engine:
         cu[1:] = torch.cumsum(torch.tensor([len(p) for p in positions], dtype=torch.long), 0)
         return TargetFeatures(self.taps, torch.cat(rows), torch.cat(positions), cu)
 
-    def _keep_features(self, states: list[_Active], keep: list[int], accepted: Tensor, batch: VarlenBatch,
+    def _keep_features(self, states: list[_Active], keep: list[int], kept_rows: list[list[int]], batch: VarlenBatch,
                        taps: dict[int, Tensor]) -> None:
-        """Store the taps of the rows the cache keeps: each request's anchor and accepted drafts."""
-        counts = accepted.to(torch.long) + 1  # the anchor and the accepted drafts: a run's first rows
-        before = torch.cumsum(counts, 0) - counts  # kept rows of the earlier requests
-        offset = torch.arange(int(counts.sum())) - torch.repeat_interleave(before, counts)
+        """Store the taps of the rows the cache keeps: each request's anchor and accepted drafts
+        (``kept_rows[i]``: run indices of request ``keep[i]``), at the positions they now hold."""
+        counts = torch.tensor([len(k) for k in kept_rows], dtype=torch.long)
+        offset = torch.tensor([j for k in kept_rows for j in k], dtype=torch.long)
         rows = torch.repeat_interleave(batch.cu_seqlens[keep], counts) + offset
         kept = _stack_taps({i: taps[i][rows] for i in self.taps}, self.taps)
-        positions = batch.positions[rows]
+        before = torch.cumsum(counts, 0) - counts
+        positions = torch.repeat_interleave(batch.start_pos[keep], counts) + torch.arange(int(counts.sum())) \
+            - torch.repeat_interleave(before, counts)
         lo = 0
         for r, n in zip(keep, counts.tolist()):
             states[r].features = (positions[lo:lo + n], kept[lo:lo + n])

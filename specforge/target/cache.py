@@ -104,6 +104,17 @@ class KVCache:
             raise CacheFullError(f"slot {slot}: length {length} exceeds the capacity {self.capacity}")
         self.lengths[slot] = length
 
+    def compact(self, slot: int, keep: list[int], start: int) -> None:
+        """Move the K/V at positions ``keep`` (ascending, each ≥ ``start``) of ``slot`` to
+        ``start, start + 1, …``: after a tree pass, the accepted path's entries become the
+        consecutive positions they hold from now on."""
+        if keep == list(range(start, start + len(keep))):
+            return
+        src = torch.tensor(keep, dtype=torch.long, device=self.k[0].device)
+        for k, v in zip(self.k, self.v):
+            k[slot, :, start:start + len(keep)] = k[slot, :, src]  # the gather copies before the write
+            v[slot, :, start:start + len(keep)] = v[slot, :, src]
+
     def crop(self, slot: int, length: int) -> None:
         """Roll ``slot`` back to its first ``length`` positions."""
         if not 0 <= length <= self.lengths[slot]:

@@ -220,14 +220,15 @@ class Transformer(nn.Module):
             # The attention metadata is the same for every layer: check it and copy it to the
             # host once per pass (the Triton kernel on CUDA reads it on the device instead).
             plan = plan_varlen_attention(batch.cu_seqlens, batch.slots, batch.start_pos, cache.k[0],
-                                         batch.num_tokens, self.args.n_heads, self.batched_attention)
+                                         batch.num_tokens, self.args.n_heads, self.batched_attention, batch.tree)
             cache.note_written(plan.slots, [s + plan.cu[r + 1] - plan.cu[r] for r, s in enumerate(plan.start)])
         attend = _PassAttention(self.args.attention_scale, batch, cache, plan)
         trunk = self.trunk
         if self.compiled is not None:
             cache.mark_static()
             trunk = self.compiled
-        hidden, tapped = trunk(batch.tokens, batch.positions, tuple(taps), attend)
+        rope = batch.positions if batch.rope_positions is None else batch.rope_positions
+        hidden, tapped = trunk(batch.tokens, rope, tuple(taps), attend)
         logits = None if logits_rows is None else self.project(hidden[logits_rows])
         return ForwardOutput(logits=logits, hidden=hidden, taps=tapped)
 
@@ -274,4 +275,5 @@ class _PassAttention:
         cache.update(layer, b.token_slots, b.positions, k, v)
         if self.plan is not None:
             return varlen_attention_planned(q, cache.k[layer], cache.v[layer], self.plan, self.scale)
-        return varlen_attention(q, cache.k[layer], cache.v[layer], b.cu_seqlens, b.slots, b.start_pos, self.scale)
+        return varlen_attention(q, cache.k[layer], cache.v[layer], b.cu_seqlens, b.slots, b.start_pos, self.scale,
+                                tree=b.tree)
