@@ -72,6 +72,16 @@ class DraftVocab:
         return cls(torch.sort(order).values.to(torch.long), v)
 
     @classmethod
+    def from_data(cls, counts: Tensor | None, size: int) -> tuple[DraftVocab, float]:
+        """A training method's draft vocabulary: the ``size`` most frequent supervised tokens of
+        its data (``counts [V]``, :attr:`~specforge.training.contract.DataSummary.token_counts`)
+        and the share of those tokens it covers."""
+        if counts is None:
+            raise ValueError("a draft vocabulary needs the data's token counts")
+        vocab = cls.most_frequent(counts, size)
+        return vocab, float(counts[vocab.ids].sum() / counts.sum().clamp_min(1))
+
+    @classmethod
     def from_maps(cls, d2t: Tensor, t2d: Tensor) -> DraftVocab:
         """Rebuild from EAGLE-3-style maps, checking that they agree."""
         ids = torch.arange(d2t.numel(), dtype=torch.long) + d2t.to(torch.long)

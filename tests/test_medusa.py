@@ -175,3 +175,16 @@ def test_a_checkpoint_of_another_method_or_target_is_one_clear_error(target, tmp
         MedusaDrafter(MedusaConfig(checkpoint=str(tmp_path / "m")))
     with pytest.raises(ValueError, match="heads and draft_vocab come from the checkpoint"):
         MedusaConfig(checkpoint="x", heads=3)
+
+
+@pytest.mark.parametrize("head", ["none", "markov"])
+def test_a_static_candidate_tree_keeps_greedy_parity_and_accepts_off_the_top_path(target, host, head):
+    plain = Engine(target, host.create_verifier("greedy"), sampling=SamplingConfig(temperature=0.0, max_new_tokens=12),
+                   engine=EngineConfig(max_batch=3, max_context=96)).generate(requests())
+    tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    drafter = MedusaDrafter(MedusaConfig(heads=3, seed=1, tree=tree))
+    outs = engine(target, host, drafter, head=head).generate(requests())
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.stats.accepted for o in outs) > 0
+    with pytest.raises(ValueError, match=r"the path \[1\] is missing"):
+        MedusaConfig(tree=[[0], [1, 0]])

@@ -26,9 +26,10 @@ _BLOCK_EXAMPLES = ({"gamma": 3, "layers": 1}, {"gamma": 4, "layers": 2, "seed": 
                    {"gamma": 3, "layers": 1, "candidates": 4}, {"gamma": 4, "layers": 1, "draft_vocab": 6, "seed": 2},
                    {"gamma": 3, "layers": 1, "draft_vocab": 5, "candidates": 3})
 # Medusa's random inits: plain, two residual blocks over a draft vocabulary, the target's LM head
-# with the sequential stage on the top 3.
+# with the sequential stage on the top 3, and a static candidate tree of 7 nodes.
 _MEDUSA_EXAMPLES = ({"gamma": 3, "seed": 1}, {"gamma": 4, "res_layers": 2, "draft_vocab": 6, "seed": 2},
-                    {"gamma": 3, "output": "shared", "candidates": 3, "seed": 3})
+                    {"gamma": 3, "output": "shared", "candidates": 3, "seed": 3},
+                    {"gamma": 3, "seed": 4, "tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]})
 _EAGLE3_EXAMPLES = ({"gamma": 3, "seed": 1}, {"gamma": 4, "draft_vocab": 6, "seed": 2}, {"gamma": 2, "seed": 3})
 
 
@@ -45,7 +46,7 @@ def specforge_register_drafters(register):
     register("dflash", DFlashDrafter, config=DFlashConfig, parallel=True, uses_correction_head=True,
              provides=("probs", "logits", "hidden"), examples=_BLOCK_EXAMPLES, training=DFlashTraining,
              description="DFlash: parallel block [anchor, MASK x gamma] over fused target features")
-    register("medusa", MedusaDrafter, config=MedusaConfig, parallel=True, uses_correction_head=True,
+    register("medusa", MedusaDrafter, config=MedusaConfig, parallel=True, uses_correction_head=True, trees=True,
              provides=("probs", "logits", "hidden"), examples=_MEDUSA_EXAMPLES, training=MedusaTraining,
              description="Medusa: K heads on the target's last hidden state, then the correction head "
                          "left to right (none: plain Medusa)")

@@ -21,8 +21,10 @@ from torch import Tensor
 
 from specforge.errors import SpecforgeError
 from specforge.files import file_problem, file_record
+from specforge.vocab import DraftVocab
 
-__all__ = ["CONFIG", "WEIGHTS", "DrafterCheckpointError", "read_checkpoint", "write_checkpoint"]
+__all__ = ["CONFIG", "WEIGHTS", "DrafterCheckpointError", "read_checkpoint", "read_vocab", "vocab_tensors",
+           "write_checkpoint"]
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
@@ -77,3 +79,17 @@ def read_checkpoint(directory: str | Path, fmt: str, version: int, loader: str) 
         raise DrafterCheckpointError(f"{directory / WEIGHTS}: missing or damaged ({exc}); train or export the "
                                      "drafter again") from None
     return meta, tensors
+
+
+def vocab_tensors(vocab: DraftVocab | None) -> dict[str, Tensor]:
+    """A draft vocabulary's maps as checkpoint tensors ``vocab.d2t`` / ``vocab.t2d`` (none without one)."""
+    return {} if vocab is None else {f"vocab.{k}": v for k, v in vocab.tensors().items()}
+
+
+def read_vocab(tensors: dict[str, Tensor], where: str | Path) -> DraftVocab | None:
+    """The draft vocabulary stored by :func:`vocab_tensors` (``None`` when there is none)."""
+    maps = {k[len("vocab."):]: v for k, v in tensors.items() if k.startswith("vocab.")}
+    try:
+        return DraftVocab.from_maps(maps["d2t"], maps["t2d"]) if maps else None
+    except (KeyError, ValueError) as exc:
+        raise DrafterCheckpointError(f"{where}: its draft vocabulary maps are unusable ({exc})") from None

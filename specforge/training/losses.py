@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["DSparkLoss", "dspark_loss", "position_weights", "teacher_probs", "valid_prefix"]
+from specforge.training.contract import LossOutput
+
+__all__ = ["DSparkLoss", "chain_loss", "dspark_loss", "position_weights", "teacher_probs", "valid_prefix"]
 
 
 def position_weights(length: int, gamma: int | None = None, device: torch.device | str | None = None) -> Tensor:
@@ -135,3 +137,25 @@ def dspark_loss(
         tau = torch.where(mask[:, 0], 1 + survive, zero).sum() / blocks
     return DSparkLoss(total=total, ce=ce, tv=tv, conf=conf, c_star=c_star, mask=mask,
                       accept_rate=accept_rate, tau=tau)
+
+
+def chain_loss(ce: Tensor, logits: Tensor, labels: Tensor, valid: Tensor, weights: Tensor) -> LossOutput:
+    """The loss of a chain drafter scored slot by slot (Medusa's heads, EAGLE-3's TTT steps).
+
+    ``ce [B, k]`` per-slot losses, ``logits [B, k, N]``, ``labels [B, k]`` (in the logits' ids;
+    anything where not ``valid``), ``valid [B, k]``, slot weights ``weights [k]``.  Total:
+    Σ_k weights_k·ce_k averaged over the blocks whose first slot is supervised; metrics: ``ce`` (the mean per-slot loss), ``tau`` (the
+    greedy chain's expected accepted length on the batch, 1 + Σ_k Π_{j≤k} [arg-max_j = label_j])
+    and ``top1`` per slot.
+    """
+    mask = valid.to(logits.dtype)
+    counted = valid[:, 0]
+    blocks = counted.sum()
+    hits = (logits.argmax(-1) == labels) & valid
+    tau = 1 + torch.cumprod(hits.to(logits.dtype), 1).sum(1)
+    return LossOutput(
+        total=(ce * mask * weights).sum() / blocks.clamp_min(1), blocks=blocks,
+        means={"ce": (ce * mask).sum() / mask.sum().clamp_min(1),
+               "tau": (tau * counted).sum() / counted.sum().clamp_min(1)},
+        sums={"supervised": mask.sum()},
+        positions={"top1": (hits.sum(0).to(logits.dtype), mask.sum(0))})

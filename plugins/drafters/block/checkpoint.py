@@ -22,8 +22,13 @@ from typing import Any
 
 from torch import nn
 
-from specforge.vocab import DraftVocab
-from specforge_plugins.drafters.checkpoints import DrafterCheckpointError, read_checkpoint, write_checkpoint
+from specforge_plugins.drafters.checkpoints import (
+    DrafterCheckpointError,
+    read_checkpoint,
+    read_vocab,
+    vocab_tensors,
+    write_checkpoint,
+)
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.model import BlockBackbone
 
@@ -66,7 +71,7 @@ def save_drafter(directory: str | Path, backbone: BlockBackbone, head: nn.Module
     meta = {"format": FORMAT, "version": VERSION, "method": method or _layout_name(backbone.config),
             "target": target, "backbone": backbone.config.model_dump(mode="json"),
             "head": _spec(head), "confidence": _spec(confidence), "drafter": config or {}}
-    tensors = {} if backbone.vocab is None else {f"vocab.{k}": v for k, v in backbone.vocab.tensors().items()}
+    tensors = vocab_tensors(backbone.vocab)
     for prefix, module in (("backbone", backbone), ("head", head), ("confidence", confidence)):
         if module is not None:
             tensors.update({f"{prefix}.{k}": v for k, v in module.state_dict().items()})
@@ -86,11 +91,7 @@ def load_drafter(directory: str | Path) -> tuple[BlockBackbone, nn.Module | None
     def part(prefix: str) -> dict[str, Any]:
         return {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
 
-    maps = part("vocab")
-    try:
-        vocab = DraftVocab.from_maps(maps["d2t"], maps["t2d"]) if maps else None
-    except (KeyError, ValueError) as exc:
-        raise DrafterCheckpointError(f"{directory}: its draft vocabulary maps are unusable ({exc})") from None
+    vocab = read_vocab(tensors, directory)
     backbone = BlockBackbone(BlockDrafterConfig.model_validate(meta["backbone"]), vocab=vocab)
     backbone.load_state_dict(part("backbone"))  # strict: a missing or extra tensor is an error
     modules: dict[str, nn.Module | None] = {}

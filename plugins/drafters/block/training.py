@@ -166,10 +166,7 @@ class BlockTraining:
         draft vocabulary, and the module is built over them."""
         if self.settings.draft_vocab is None or self._module is not None:
             return
-        if summary.token_counts is None:
-            raise ValueError("a draft vocabulary needs the data's token counts")
-        self.vocab = DraftVocab.most_frequent(summary.token_counts, self.settings.draft_vocab)
-        self.coverage = float(summary.token_counts[self.vocab.ids].sum() / summary.token_counts.sum().clamp_min(1))
+        self.vocab, self.coverage = DraftVocab.from_data(summary.token_counts, self.settings.draft_vocab)
         self.block_config = self._block_config(self.vocab)
         self._module = self._build(self.vocab)
 

@@ -25,7 +25,13 @@ from torch import Tensor, nn
 
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.block.model import RMSNorm, SharedWeights, attend, gated_mlp, rope, rotate
-from specforge_plugins.drafters.checkpoints import DrafterCheckpointError, read_checkpoint, write_checkpoint
+from specforge_plugins.drafters.checkpoints import (
+    DrafterCheckpointError,
+    read_checkpoint,
+    read_vocab,
+    vocab_tensors,
+    write_checkpoint,
+)
 
 __all__ = ["FORMAT", "VERSION", "Eagle3Model", "Eagle3Shape", "eagle3_layers", "load_eagle3", "save_eagle3"]
 
@@ -213,17 +219,15 @@ def save_eagle3(directory: str | Path, model: Eagle3Model, config: dict[str, Any
     meta = {"format": FORMAT, "version": VERSION, "method": "eagle3", "target": target,
             "eagle3": model.shape.model_dump(mode="json"), "drafter": config or {}}
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
-    if model.vocab is not None:
-        tensors.update({f"vocab.{k}": v for k, v in model.vocab.tensors().items()})
+    tensors.update(vocab_tensors(model.vocab))
     return write_checkpoint(directory, meta, tensors)
 
 
 def load_eagle3(directory: str | Path) -> tuple[Eagle3Model, dict[str, Any]]:
     """Read a checkpoint written by :func:`save_eagle3`: ``(model, drafter config)``."""
     meta, tensors = read_checkpoint(directory, FORMAT, VERSION, "eagle3")
-    maps = {k[6:]: v for k, v in tensors.items() if k.startswith("vocab.")}
+    vocab = read_vocab(tensors, directory)
     try:
-        vocab = DraftVocab.from_maps(maps["d2t"], maps["t2d"]) if maps else None
         model = Eagle3Model(Eagle3Shape.model_validate(meta["eagle3"]), vocab=vocab)
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     except (KeyError, ValueError, RuntimeError) as exc:

@@ -46,11 +46,24 @@ class MedusaConfig(BaseModel):
                                                             "of this many target ids (tests, conformance)")
     candidates: int | None = Field(None, ge=1, description="sequential stage on the top-K tokens of each U_k only")
     dtype: Literal["float32", "target"] = Field("float32", description="run the heads in float32 or the target's dtype")
+    tree: list[list[int]] | None = Field(
+        None, description="a static candidate tree (Medusa's choices): each path lists, per depth k, which of head "
+                          "k's top tokens to take, e.g. [[0], [1], [0, 0]]; every prefix of a path is a path too; "
+                          "paths deeper than gamma are cut. None: a chain (one sampled token per head)")
 
     @model_validator(mode="after")
     def _one_source(self) -> MedusaConfig:
         if self.checkpoint is not None and (self.heads is not None or self.draft_vocab is not None):
             raise ValueError("heads and draft_vocab come from the checkpoint; set them only for a random init")
+        if self.tree is not None:
+            paths = {tuple(p) for p in self.tree}
+            if not paths or any(not p or min(p) < 0 for p in paths):
+                raise ValueError("tree: every path is a non-empty list of top-k indices (0 = the top token)")
+            missing = sorted(p[:-1] for p in paths if len(p) > 1 and p[:-1] not in paths)
+            if missing:
+                raise ValueError(f"tree: the path {list(missing[0])} is missing (every prefix of a path must be one)")
+            if len(paths) > 63:
+                raise ValueError(f"tree: {len(paths)} nodes; at most 63")
         return self
 
 
@@ -71,6 +84,9 @@ class MedusaDrafter:
             if self.config.heads is not None and self.gamma > self.config.heads:
                 raise ValueError(f"gamma={self.gamma} is larger than heads={self.config.heads}")
         self.heads: MedusaHeads | None = None
+        # A static tree, breadth first: per node its path, its parent's index (−1: x_0), its depth.
+        self._tree = sorted({tuple(p) for p in self.config.tree}, key=lambda p: (len(p), p)) if self.config.tree else None
+
         self.feature_layers: tuple[int, ...] = ()
         self._last: dict[int, Tensor] = {}  # request id -> [d] last-layer output before its anchor
         self.head_seconds = 0.0
@@ -124,10 +140,41 @@ class MedusaDrafter:
         last = torch.stack([self._last.get(rid, torch.zeros(dim)).float() for rid in ctx.request_ids])
         hidden = self.heads.hidden(last)[:, :g]
         base = self.heads.logits(hidden)
+        if self._tree is not None:
+            return self._draft_tree(ctx, base, hidden, have)
         tokens, logits, probs, seconds = sequential_stage(ctx, base, hidden, u, self.heads.vocab,
                                                           self.config.candidates, self.heads.shape.vocab_size)
         self.head_seconds += seconds
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=logits, hidden=hidden, anchor=anchor)
+
+    def _draft_tree(self, ctx: DraftContext, base: Tensor, hidden: Tensor, have: Tensor) -> DraftBlock:
+        """Medusa's candidate tree: node (c_1, …, c_k) takes the c_k-th top token of head k's
+        logits (biased by the correction head given its parent's token, in a fresh state).  Each
+        node is deterministic given the round's inputs, so q is one-hot (``probs=None``) and the
+        verifier's walk zeroes a rejected sibling in the residual."""
+        r, g = base.shape[0], base.shape[1]
+        nodes = [p for p in self._tree if len(p) <= g]
+        index = {p: j for j, p in enumerate(nodes)}
+        parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in nodes], dtype=torch.long)
+        depth = torch.tensor([len(p) for p in nodes], dtype=torch.long)
+        head, vocab, v = ctx.correction_head, self.heads.vocab, self.heads.shape.vocab_size
+        tokens = torch.zeros(r, len(nodes), dtype=torch.long)
+        logits = torch.full((r, len(nodes), v), float("-inf"), dtype=base.dtype)
+        for j, path in enumerate(nodes):
+            k = len(path) - 1  # head k drafts depth k + 1
+            prev = ctx.anchor if k == 0 else tokens[:, index[path[:-1]]]
+            step = base[:, k]
+            if head is not None:
+                step, _ = head.step(step, prev, hidden[:, k], head.init_state(r))
+            pick = step.topk(path[-1] + 1, dim=-1).indices[:, -1]
+            tokens[:, j] = pick if vocab is None else vocab.ids[pick]
+            if vocab is None:
+                logits[:, j] = step
+            else:
+                logits[:, j, vocab.ids] = step
+        lengths = torch.where(have, (depth[None, :] <= ctx.max_tokens[:, None]).sum(1), 0)
+        return DraftBlock(tokens=tokens, lengths=lengths, logits=logits, hidden=hidden[:, depth - 1],
+                          anchor=ctx.anchor, parents=parents.expand(r, len(nodes)))
 
     def _ingest(self, ctx: DraftContext) -> None:
         f = ctx.features

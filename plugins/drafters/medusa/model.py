@@ -25,7 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 from specforge.vocab import DraftVocab
-from specforge_plugins.drafters.checkpoints import DrafterCheckpointError, read_checkpoint, write_checkpoint
+from specforge_plugins.drafters.checkpoints import (
+    DrafterCheckpointError,
+    read_checkpoint,
+    read_vocab,
+    vocab_tensors,
+    write_checkpoint,
+)
 
 __all__ = ["FORMAT", "VERSION", "MedusaHeads", "MedusaShape", "load_medusa", "save_medusa"]
 
@@ -145,8 +151,7 @@ def save_medusa(directory: str | Path, heads: MedusaHeads, config: dict[str, Any
     meta = {"format": FORMAT, "version": VERSION, "method": "medusa", "target": target,
             "medusa": heads.shape.model_dump(mode="json"), "drafter": config or {}}
     tensors = {f"heads.{k}": v for k, v in heads.state_dict().items()}
-    if heads.vocab is not None:
-        tensors.update({f"vocab.{k}": v for k, v in heads.vocab.tensors().items()})
+    tensors.update(vocab_tensors(heads.vocab))
     return write_checkpoint(directory, meta, tensors)
 
 
@@ -154,9 +159,8 @@ def load_medusa(directory: str | Path) -> tuple[MedusaHeads, dict[str, Any]]:
     """Read a checkpoint written by :func:`save_medusa`: ``(heads, drafter config)``; the heads
     still need ``bind`` to the target."""
     meta, tensors = read_checkpoint(directory, FORMAT, VERSION, "medusa")
-    maps = {k[6:]: v for k, v in tensors.items() if k.startswith("vocab.")}
+    vocab = read_vocab(tensors, directory)
     try:
-        vocab = DraftVocab.from_maps(maps["d2t"], maps["t2d"]) if maps else None
         heads = MedusaHeads(MedusaShape.model_validate(meta["medusa"]), vocab=vocab)
         heads.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("heads.")})
     except (KeyError, ValueError, RuntimeError) as exc:  # strict load: a missing or extra tensor

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from specforge.training.contract import DataNeeds, DataSummary, LossOutput, MetricNames, TrainBatch
+from specforge.training.losses import chain_loss
 from specforge.vocab import DraftVocab, DraftVocabError
 from specforge_plugins.drafters.checkpoints import DrafterCheckpointError
 from specforge_plugins.drafters.medusa.model import MedusaHeads, MedusaShape, load_medusa, save_medusa
@@ -95,10 +96,7 @@ class MedusaTraining:
     def prepare(self, summary: DataSummary) -> None:
         if self.settings.draft_vocab is None or self._module is not None:
             return
-        if summary.token_counts is None:
-            raise ValueError("a draft vocabulary needs the data's token counts")
-        self.vocab = DraftVocab.most_frequent(summary.token_counts, self.settings.draft_vocab)
-        self.coverage = float(summary.token_counts[self.vocab.ids].sum() / summary.token_counts.sum().clamp_min(1))
+        self.vocab, self.coverage = DraftVocab.from_data(summary.token_counts, self.settings.draft_vocab)
         self._module = self._build(self.vocab)
 
     def loss(self, outputs: Tensor, batch: TrainBatch) -> LossOutput:
@@ -108,22 +106,10 @@ class MedusaTraining:
             inside = self.vocab.t2d.to(labels.device)[labels.clamp_min(0)]
             labels = self.vocab.to_draft(labels.clamp_min(0)).masked_fill(~inside, 0)
             valid = valid & inside
-        k = logits.shape[1]
         ce = F.cross_entropy(logits.flatten(0, 1), labels.clamp_min(0).flatten(), reduction="none").view_as(labels)
+        k = logits.shape[1]  # λ_k = decay^k, k = 1 … K (Medusa's 0.8^k)
         weights = self.settings.decay ** torch.arange(1, k + 1, dtype=logits.dtype, device=logits.device)
-        mask = valid.to(logits.dtype)
-        blocks = valid[:, 0].sum()
-        per_block = (ce * mask * weights).sum(1)
-        total = per_block.sum() / blocks.clamp_min(1)
-        hits = (logits.argmax(-1) == labels) & valid
-        tau = 1 + torch.cumprod(hits.to(logits.dtype), 1).sum(1)
-        counted = valid[:, 0]
-        return LossOutput(
-            total=total, blocks=blocks,
-            means={"ce": (ce * mask).sum() / mask.sum().clamp_min(1),
-                   "tau": (tau * counted).sum() / counted.sum().clamp_min(1)},
-            sums={"supervised": mask.sum()},
-            positions={"top1": (hits.sum(0).to(logits.dtype), mask.sum(0))})
+        return chain_loss(ce, logits, labels, valid, weights)
 
     def save(self, directory: Path, provenance: dict[str, Any]) -> None:
         extra = {} if self.vocab is None else {"draft_vocab": self.vocab.size, "train_coverage": self.coverage}
