@@ -72,6 +72,14 @@ class DraftVocab:
         return cls(torch.sort(order).values.to(torch.long), v)
 
     @classmethod
+    def random(cls, size: int, target_size: int, seed: int) -> DraftVocab:
+        """A seeded random draft vocabulary of ``size`` ids (random inits: tests, conformance)."""
+        if not 1 <= size < target_size:
+            raise DraftVocabError(f"draft_vocab={size} must be between 1 and the target's {target_size - 1}")
+        gen = torch.Generator().manual_seed(seed)
+        return cls(torch.randperm(target_size, generator=gen)[:size].sort().values, target_size)
+
+    @classmethod
     def from_data(cls, counts: Tensor | None, size: int) -> tuple[DraftVocab, float]:
         """A training method's draft vocabulary: the ``size`` most frequent supervised tokens of
         its data (``counts [V]``, :attr:`~specforge.training.contract.DataSummary.token_counts`)

@@ -24,9 +24,12 @@ from specforge.files import file_problem, file_record
 from specforge.vocab import DraftVocab
 
 __all__ = ["CONFIG", "WEIGHTS", "DrafterCheckpointError", "read_checkpoint", "read_vocab", "vocab_tensors",
-           "write_checkpoint"]
+           "TARGET_SHAPE", "check_fits", "write_checkpoint"]
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
+# A drafter with layers of the target's shape: its config field -> the target's ModelArgs attribute.
+TARGET_SHAPE = {"vocab_size": "vocab_size", "dim": "dim", "n_heads": "n_heads", "n_kv_heads": "n_kv_heads",
+                "head_dim": "head_dim", "n_target_layers": "n_layers"}
 
 
 class DrafterCheckpointError(SpecforgeError, ValueError):
@@ -93,3 +96,13 @@ def read_vocab(tensors: dict[str, Tensor], where: str | Path) -> DraftVocab | No
         return DraftVocab.from_maps(maps["d2t"], maps["t2d"]) if maps else None
     except (KeyError, ValueError) as exc:
         raise DrafterCheckpointError(f"{where}: its draft vocabulary maps are unusable ({exc})") from None
+
+
+def check_fits(shape: Any, args: Any, where: str | Path | None, keys: dict[str, str]) -> None:
+    """A checkpoint trained on another target shape cannot be served on this one: ``keys`` maps
+    each field of the checkpoint's ``shape`` to the target ``args`` attribute it must equal."""
+    for key, attr in keys.items():
+        mine, theirs = getattr(shape, key), getattr(args, attr)
+        if mine != theirs:
+            raise DrafterCheckpointError(f"{where}: trained for a target with {key}={mine}; "
+                                         f"the bound target has {key}={theirs}")

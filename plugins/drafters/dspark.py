@@ -30,10 +30,11 @@ from torch import Tensor, nn
 
 from specforge.components import ComponentWeights, DraftBlock, DraftContext
 from specforge.vocab import DraftVocab
-from specforge_plugins.drafters.block.checkpoint import DrafterCheckpointError, load_drafter
+from specforge_plugins.drafters.block.checkpoint import load_drafter
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.context import ContextCache
 from specforge_plugins.drafters.block.model import BlockBackbone, SharedWeights
+from specforge_plugins.drafters.checkpoints import TARGET_SHAPE, check_fits
 from specforge_plugins.drafters.sequential import sequential_stage
 
 __all__ = ["BlockDrafter", "DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter"]
@@ -110,7 +111,7 @@ class BlockDrafter:
         args, runtime = target.args, target.runtime
         if self._loaded is not None:
             backbone = self._loaded[0]
-            _check_fits(backbone.config, args, self.config.checkpoint)
+            check_fits(backbone.config, args, self.config.checkpoint, TARGET_SHAPE)
             if backbone.config.gamma != self.gamma:  # a shorter or longer block than trained
                 backbone.config = backbone.config.model_copy(update={"gamma": self.gamma})
         else:
@@ -124,11 +125,8 @@ class BlockDrafter:
         self._contexts = ContextCache(c.draft_layers, c.n_kv_heads, c.head_dim, backbone.dtype)
 
     def _random_vocab(self, vocab_size: int) -> DraftVocab | None:
-        n = self.config.draft_vocab  # smaller than vocab_size: BlockDrafterConfig checked it
-        if n is None:
-            return None
-        gen = torch.Generator().manual_seed(self.config.seed)
-        return DraftVocab(torch.randperm(vocab_size, generator=gen)[:n].sort().values, vocab_size)
+        n = self.config.draft_vocab
+        return None if n is None else DraftVocab.random(n, vocab_size, self.config.seed)
 
     def _random_config(self, args: Any) -> BlockDrafterConfig:
         layers = self.config.target_layers
@@ -241,13 +239,3 @@ class DFlashDrafter(BlockDrafter):
 
 def _layout(predict_anchor: bool) -> str:
     return "DSpark" if predict_anchor else "DFlash"
-
-
-def _check_fits(c: BlockDrafterConfig, args: Any, where: str | None) -> None:
-    """A checkpoint trained on another target shape cannot share this target's weights."""
-    pairs = {"vocab_size": args.vocab_size, "dim": args.dim, "n_heads": args.n_heads,
-             "n_kv_heads": args.n_kv_heads, "head_dim": args.head_dim, "n_target_layers": args.n_layers}
-    for key, value in pairs.items():
-        if getattr(c, key) != value:
-            raise DrafterCheckpointError(f"{where}: trained for a target with {key}={getattr(c, key)}; "
-                                         f"the bound target has {key}={value}")

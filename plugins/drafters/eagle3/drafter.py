@@ -30,7 +30,7 @@ from specforge.sampling import sample_with_uniform, warp
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.block.context import ContextCache
 from specforge_plugins.drafters.block.model import SharedWeights
-from specforge_plugins.drafters.checkpoints import DrafterCheckpointError
+from specforge_plugins.drafters.checkpoints import TARGET_SHAPE, check_fits
 from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, load_eagle3
 
 __all__ = ["Eagle3Config", "Eagle3Drafter"]
@@ -74,15 +74,9 @@ class Eagle3Drafter:
         c = self.config
         if self._loaded is not None:
             model = self._loaded
-            _check_fits(model.shape, args, c.checkpoint)
+            check_fits(model.shape, args, c.checkpoint, TARGET_SHAPE)
         else:
-            vocab = None
-            if c.draft_vocab is not None:
-                if c.draft_vocab >= args.vocab_size:
-                    raise ValueError(f"draft_vocab={c.draft_vocab} must be smaller than the target's {args.vocab_size}")
-                gen = torch.Generator().manual_seed(c.seed)
-                vocab = DraftVocab(torch.randperm(args.vocab_size, generator=gen)[:c.draft_vocab].sort().values,
-                                   args.vocab_size)
+            vocab = None if c.draft_vocab is None else DraftVocab.random(c.draft_vocab, args.vocab_size, c.seed)
             shape = Eagle3Shape.from_model_args(args, layers=c.target_layers, draft_vocab_size=c.draft_vocab)
             model = Eagle3Model(shape, seed=c.seed, vocab=vocab)
         if c.dtype == "target":
@@ -166,13 +160,3 @@ class Eagle3Drafter:
         for r, (rid, hi) in enumerate(zip(ctx.request_ids, f.cu_seqlens[1:].tolist())):
             if counts[r] > 0:
                 self._last[rid] = g[hi - 1].clone()
-
-
-def _check_fits(shape: Eagle3Shape, args: Any, where: str | None) -> None:
-    """A checkpoint trained on another target shape cannot read this target's states."""
-    pairs = {"vocab_size": args.vocab_size, "dim": args.dim, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
-             "head_dim": args.head_dim, "n_target_layers": args.n_layers}
-    for key, value in pairs.items():
-        if getattr(shape, key) != value:
-            raise DrafterCheckpointError(f"{where}: trained for a target with {key}={getattr(shape, key)}; "
-                                         f"the bound target has {key}={value}")

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from specforge.components import DraftBlock, DraftContext
 from specforge.vocab import DraftVocab
-from specforge_plugins.drafters.checkpoints import DrafterCheckpointError
+from specforge_plugins.drafters.checkpoints import check_fits
 from specforge_plugins.drafters.medusa.model import MedusaHeads, MedusaShape, load_medusa
 from specforge_plugins.drafters.sequential import sequential_stage
 
@@ -95,17 +95,12 @@ class MedusaDrafter:
         args, runtime = target.args, target.runtime
         if self._loaded is not None:
             heads = self._loaded
-            _check_fits(heads.shape, args, self.config.checkpoint)
+            check_fits(heads.shape, args, self.config.checkpoint,
+                       {"vocab_size": "vocab_size", "dim": "dim", "n_target_layers": "n_layers"})
             init = False
         else:
             c = self.config
-            vocab = None
-            if c.draft_vocab is not None:
-                if c.draft_vocab >= args.vocab_size:
-                    raise ValueError(f"draft_vocab={c.draft_vocab} must be smaller than the target's {args.vocab_size}")
-                gen = torch.Generator().manual_seed(c.seed)
-                vocab = DraftVocab(torch.randperm(args.vocab_size, generator=gen)[:c.draft_vocab].sort().values,
-                                   args.vocab_size)
+            vocab = None if c.draft_vocab is None else DraftVocab.random(c.draft_vocab, args.vocab_size, c.seed)
             shape = MedusaShape.from_model_args(args, heads=c.heads or self.gamma, res_layers=c.res_layers,
                                                 output=c.output, draft_vocab_size=c.draft_vocab)
             heads, init = MedusaHeads(shape, seed=c.seed, vocab=vocab), True
@@ -196,11 +191,3 @@ def _perturb(heads: MedusaHeads, seed: int) -> None:
             for res in block:
                 w = res.linear.weight
                 w.copy_((torch.randn(w.shape, generator=gen) / w.shape[1] ** 0.5).to(w.dtype))
-
-
-def _check_fits(shape: MedusaShape, args: Any, where: str | None) -> None:
-    """A checkpoint trained on another target shape cannot read this target's states."""
-    for key, value in (("vocab_size", args.vocab_size), ("dim", args.dim), ("n_target_layers", args.n_layers)):
-        if getattr(shape, key) != value:
-            raise DrafterCheckpointError(f"{where}: trained for a target with {key}={getattr(shape, key)}; "
-                                         f"the bound target has {key}={value}")
