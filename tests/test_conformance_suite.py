@@ -27,13 +27,16 @@ def chost():
 
 
 def test_fast_tier_certifies_every_shipped_combination():
-    report = run_suite(PluginHost(autoload=False), tier="fast")
+    # Every case of the fast tier at a fifth of its N: the same plan, probes and checks, at a cost
+    # `make test` can carry on 2 cores.  The tier at its own N is `specforge conformance` (its
+    # 50-seed false-alarm run and its power are in docs/conformance.md).
+    report = run_suite(PluginHost(autoload=False), tier="fast", n=4_000)
     print("\n" + report.table())
     assert report.passed, report.explain()
     certified = [c for c in report.combos if c.status == "certified"]
     assert len(certified) >= 12
-    # N from the tier (2·10⁴ for verifier probes, 10⁴ otherwise), doubled where the power calculation says so
-    assert all(r.case.n in (10_000, 20_000, 40_000) for c in certified for r in c.results)
+    # N as given, doubled where the power calculation says so
+    assert all(r.case.n in (4_000, 8_000) for c in certified for r in c.results)
     # every shipped lossless verifier, drafter and scheduler met its probes
     probed = {c.title for c in certified if c.role}
     assert {"probes of verifier rejection", "probes of verifier match", "probes of drafter dspark",

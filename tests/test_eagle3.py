@@ -161,3 +161,95 @@ def test_eagle3_trains_through_the_contract_and_serves(tmp_path):
     with pytest.raises(DrafterCheckpointError, match=r"trained for a target with vocab_size=96; the bound target "
                                                      r"has vocab_size=80"):
         Eagle3Drafter(Eagle3Config(checkpoint=str(directory))).bind(other)
+
+
+def _path(parents: list[int], j: int) -> list[int]:
+    path = []
+    while j >= 0:
+        path.append(j)
+        j = parents[j]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 24])
+@torch.no_grad()
+def test_the_dynamic_tree_is_eagle2s_and_each_node_sees_only_its_path(target, host, draft_vocab):
+    """Every node's logits equal a chain teacher-forced along its own path (the tree's attention
+    mask hides the rest of the tree); nodes are breadth first, siblings distinct, and the kept set
+    is the best by path log-probability among EAGLE-2's candidates (closed under ancestors)."""
+    tree = {"topk": 3, "nodes": 10}
+    drafter = Eagle3Drafter(Eagle3Config(gamma=4, seed=1, draft_vocab=draft_vocab, tree=tree))
+    drafter.bind(target)
+    seen = spy(drafter)
+    outs = engine(target, host, drafter, temperature=1.0, batch=3).generate(requests())
+    assert all(o.error is None for o in outs)
+    model, vocab = drafter.model, drafter.draft_vocab
+    checked = 0
+    for ctx, block in seen:
+        if block.parents is None or block.tokens.shape[1] == 0:
+            continue
+        assert block.probs is None  # deterministic nodes: one-hot draft laws
+        for r, history in enumerate(ctx.histories):
+            n = int(block.lengths[r])
+            if n == 0:
+                continue
+            parents = block.parents[r].tolist()
+            assert all(p < j for j, p in enumerate(parents))
+            assert len(block.tokens[r]) <= 10
+            for j in range(len(parents)):  # siblings distinct
+                sib = [i for i, p in enumerate(parents) if p == parents[j]]
+                assert len({int(block.tokens[r, i]) for i in sib}) == len(sib)
+            ids = history.clone()
+            (feats,) = compute_features(target, [(ids, torch.ones_like(ids))], list(drafter.feature_layers))
+            a = len(ids) - 1
+            k, v, g = model.context_kv(feats.taps.flatten(1)[None, :a], ids[None, 1:a + 1], torch.arange(a)[None])
+            ok = torch.ones(1, a, dtype=torch.bool)
+            for j in range(len(parents)):
+                path = _path(parents, j)
+                toks = block.tokens[r, path]
+                _, logits = model.chain(model.embed(ids[a:a + 1]), g[:, a - 1], torch.tensor([a - 1]), k, v, ok,
+                                        len(path), lambda i, _l: model.embed(toks[i:i + 1]))
+                full = logits[0, -1]
+                mine = block.logits[r, j]
+                if vocab is not None:
+                    mine = mine[vocab.ids]
+                torch.testing.assert_close(mine, full, rtol=1e-4, atol=1e-4)
+            depth = [len(_path(parents, j)) for j in range(len(parents))]
+            assert depth == sorted(depth)
+            # the kept paths are those of a plain re-implementation of EAGLE-2 on teacher-forced chains
+            def logp_after(path: tuple[int, ...]) -> torch.Tensor:
+                toks = torch.tensor(path, dtype=torch.long)
+                toks = toks if vocab is None else vocab.ids[toks]
+                _, logits = model.chain(model.embed(ids[a:a + 1]), g[:, a - 1], torch.tensor([a - 1]), k, v, ok,
+                                        len(path) + 1, lambda i, _l: model.embed(toks[i:i + 1]))
+                return torch.log_softmax(logits[0, -1], -1).double()
+
+            depth_r = max(depth)
+            root = logp_after(())
+            top = root.topk(3)
+            cands = {(int(t),): float(sc) for sc, t in zip(top.values, top.indices)}
+            frontier = list(cands)
+            for level in range(1, depth_r):
+                children = {}
+                for node in frontier:
+                    lp = logp_after(node).topk(3)
+                    children.update({node + (int(t),): cands[node] + float(sc) for sc, t in zip(lp.values, lp.indices)})
+                cands.update(children)
+                frontier = sorted(children, key=children.get, reverse=True)[:3]
+            want = set(sorted(cands, key=cands.get, reverse=True)[:len(parents)])
+            got = {tuple(int(x) for x in (block.tokens[r, _path(parents, j)] if vocab is None
+                                          else vocab.to_draft(block.tokens[r, _path(parents, j)])))
+                   for j in range(len(parents))}
+            assert got == want
+            checked += 1
+    assert checked >= 4
+
+
+@pytest.mark.parametrize("verifier", ["greedy", "rejection"])
+def test_a_dynamic_tree_keeps_greedy_parity(target, host, verifier):
+    plain = Engine(target, host.create_verifier("greedy"), sampling=SamplingConfig(temperature=0.0, max_new_tokens=12),
+                   engine=EngineConfig(max_batch=3, max_context=96)).generate(requests())
+    tree = engine(target, host, Eagle3Drafter(Eagle3Config(gamma=3, seed=2, tree={"topk": 4, "nodes": 12})),
+                  verifier=verifier).generate(requests())
+    assert [o.token_ids for o in tree] == [o.token_ids for o in plain]
+    assert sum(o.stats.drafted for o in tree) > 0

@@ -30,7 +30,9 @@ _BLOCK_EXAMPLES = ({"gamma": 3, "layers": 1}, {"gamma": 4, "layers": 2, "seed": 
 _MEDUSA_EXAMPLES = ({"gamma": 3, "seed": 1}, {"gamma": 4, "res_layers": 2, "draft_vocab": 6, "seed": 2},
                     {"gamma": 3, "output": "shared", "candidates": 3, "seed": 3},
                     {"gamma": 3, "seed": 4, "tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]})
-_EAGLE3_EXAMPLES = ({"gamma": 3, "seed": 1}, {"gamma": 4, "draft_vocab": 6, "seed": 2}, {"gamma": 2, "seed": 3})
+# Eagle3's: chains, one over a draft vocabulary, and EAGLE-2's dynamic tree (2 children per node, 6 kept).
+_EAGLE3_EXAMPLES = ({"gamma": 3, "seed": 1}, {"gamma": 4, "draft_vocab": 6, "seed": 2}, {"gamma": 2, "seed": 3},
+                    {"gamma": 3, "seed": 4, "tree": {"topk": 2, "nodes": 6}})
 
 
 @hookimpl
@@ -50,7 +52,8 @@ def specforge_register_drafters(register):
              provides=("probs", "logits", "hidden"), examples=_MEDUSA_EXAMPLES, training=MedusaTraining,
              description="Medusa: K heads on the target's last hidden state, then the correction head "
                          "left to right (none: plain Medusa)")
-    register("eagle3", Eagle3Drafter, config=Eagle3Config, parallel=False, provides=("probs", "logits", "hidden"),
+    register("eagle3", Eagle3Drafter, config=Eagle3Config, parallel=False, trees=True,
+             provides=("probs", "logits", "hidden"),
              examples=_EAGLE3_EXAMPLES, training=Eagle3Training,
              description="EAGLE-3: one decoder layer over three fused target layers, drafting a chain step by "
                          "step on its own hidden states")

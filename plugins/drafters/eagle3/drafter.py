@@ -13,6 +13,11 @@ One round for R requests:
    the warped draft law with the request's own uniform and that law is reported as q_k (zero
    outside a draft vocabulary); the chain's K/V are dropped after the round.
 
+With ``tree`` set, step 2 grows EAGLE-2's dynamic tree instead (top-k expansion by path
+log-probability, the best ``nodes`` kept: :mod:`~specforge_plugins.drafters.eagle3.tree`); its
+nodes are deterministic given the round's inputs, so q is one-hot and the ``tree`` walk of any
+shipped verifier keeps the target's law.
+
 Eagle3 runs no correction head (it is sequential by itself), so it combines with ``none`` only;
 its ``hidden`` (final-normed y_k) feeds confidence estimators such as ``dspark-head``.
 """
@@ -32,6 +37,7 @@ from specforge_plugins.drafters.block.context import ContextCache
 from specforge_plugins.drafters.block.model import SharedWeights
 from specforge_plugins.drafters.checkpoints import TARGET_SHAPE, check_fits
 from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, load_eagle3
+from specforge_plugins.drafters.eagle3.tree import DynamicTree, grow_tree
 
 __all__ = ["Eagle3Config", "Eagle3Drafter"]
 
@@ -49,6 +55,8 @@ class Eagle3Config(BaseModel):
     draft_vocab: int | None = Field(None, ge=1, description="random init over a seeded random draft vocabulary "
                                                             "of this many target ids (tests, conformance)")
     dtype: Literal["float32", "target"] = Field("float32", description="run the model in float32 or the target's dtype")
+    tree: DynamicTree | None = Field(None, description="EAGLE-2's dynamic tree of depth gamma (topk, nodes); "
+                                                       "None: a chain")
 
     @model_validator(mode="after")
     def _one_source(self) -> Eagle3Config:
@@ -119,6 +127,8 @@ class Eagle3Drafter:
         dim = model.shape.dim
         g0 = torch.stack([self._last.get(rid, torch.zeros(dim, dtype=model.dtype)) for rid in ctx.request_ids])
         pos0 = torch.tensor([len(h) - 2 for h in ctx.histories], dtype=torch.long).clamp_min(0)
+        if self.config.tree is not None:
+            return self._draft_tree(ctx, g0, pos0, ctx_k, ctx_v, valid, have, g)
         tokens = torch.zeros(r, g, dtype=torch.long)
         laws: list[Tensor] = []
 
@@ -141,6 +151,23 @@ class Eagle3Drafter:
             full = torch.full((r, g, v), float("-inf"), dtype=logits.dtype).scatter_(2, ids, logits)
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=full, hidden=model.norm(y).float(),
                           anchor=anchor)
+
+    def _draft_tree(self, ctx: DraftContext, g0: Tensor, pos0: Tensor, ctx_k: Tensor, ctx_v: Tensor, valid: Tensor,
+                    have: Tensor, depth: int) -> DraftBlock:
+        """EAGLE-2's dynamic tree of ``depth`` ≤ γ levels; a request keeps the nodes no deeper than its
+        ``max_tokens`` (a prefix: the tree is breadth first)."""
+        model, vocab, tree = self.model, self.model.vocab, self.config.tree
+        grown = grow_tree(model, model.embed(ctx.anchor), g0, pos0, ctx_k, ctx_v, valid, depth, tree.topk,
+                          tree.nodes, lambda ids: ids if vocab is None else vocab.ids[ids])
+        r, m = grown.tokens.shape
+        tokens = grown.tokens if vocab is None else vocab.ids[grown.tokens]
+        logits = grown.logits
+        if vocab is not None:
+            logits = torch.full((r, m, model.shape.vocab_size), float("-inf"), dtype=logits.dtype).scatter_(
+                2, vocab.ids.expand(r, m, -1), logits)
+        lengths = torch.where(have, (grown.depth <= ctx.max_tokens[:, None]).sum(1), 0)
+        return DraftBlock(tokens=tokens, lengths=lengths, logits=logits, hidden=model.norm(grown.hidden).float(),
+                          anchor=ctx.anchor, parents=grown.parents)
 
     def _ingest(self, ctx: DraftContext) -> None:
         """Append the K/V of each newly committed row (with the token that followed it)."""

@@ -175,6 +175,22 @@ class Eagle3Model(nn.Module):
         """``[..., d]`` layer outputs → float32 logits over the draft vocabulary."""
         return self.lm_head(self.norm(y)).float()
 
+    def step(self, emb: Tensor, hidden: Tensor, positions: Tensor, keys: Tensor, values: Tensor, mask: Tensor,
+             self_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One pass of the layer for T new rows of B sequences, shared by the chain and the tree.
+
+        ``emb``/``hidden [B, T, d]`` at ``positions [B, T]`` attend to the earlier keys/values
+        ``[B, S, KV, hd]`` where ``mask [B, T, S]`` and to each other where ``self_mask [B, T, T]``
+        (None: not at all — a row whose own K/V is already among the earlier keys).  Returns
+        ``y [B, T, d]``, logits ``[B, T, N]`` and the new rows' ``k``, ``v [B, T, KV, hd]``.
+        """
+        cos, sin = self.rope(positions)
+        q, k, v = self.layer.project(emb, hidden, cos, sin)
+        if self_mask is not None:
+            keys, values, mask = torch.cat([keys, k], 1), torch.cat([values, v], 1), torch.cat([mask, self_mask], 2)
+        y = self.layer.finish(hidden, attend(q, keys, values, mask))
+        return y, self.logits(y), k, v
+
     def chain(self, emb0: Tensor, hidden0: Tensor, pos0: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_ok: Tensor,
               steps: int, next_emb) -> tuple[Tensor, Tensor]:
         """``steps`` autoregressive steps for B chains, shared by training-time test and drafting.
@@ -187,21 +203,17 @@ class Eagle3Model(nn.Module):
         """
         b = emb0.shape[0]
         ys, outs = [], []
-        chain_k, chain_v = ctx_k.new_zeros(b, 0, *ctx_k.shape[2:]), ctx_v.new_zeros(b, 0, *ctx_v.shape[2:])
+        keys, values, mask = ctx_k, ctx_v, ctx_ok[:, None]
         emb, hidden = emb0[:, None], hidden0[:, None].to(self.dtype)
+        own = mask.new_ones(b, 1, 1)
         for j in range(steps):
-            cos, sin = self.rope((pos0 + j)[:, None])
-            q, k, v = self.layer.project(emb, hidden, cos, sin)
-            if j > 0:  # step 1's own key is the context row of pos0
-                chain_k, chain_v = torch.cat([chain_k, k], 1), torch.cat([chain_v, v], 1)
-            keys = torch.cat([ctx_k, chain_k], 1)
-            mask = torch.cat([ctx_ok, ctx_ok.new_ones(b, chain_k.shape[1])], 1)[:, None]
-            y = self.layer.finish(hidden, attend(q, keys, torch.cat([ctx_v, chain_v], 1), mask))
-            logits = self.logits(y[:, 0])
+            y, logits, k, v = self.step(emb, hidden, (pos0 + j)[:, None], keys, values, mask, own if j else None)
+            if j:  # step 1's own key is the context row of pos0
+                keys, values, mask = torch.cat([keys, k], 1), torch.cat([values, v], 1), torch.cat([mask, own], 2)
             ys.append(y[:, 0])
-            outs.append(logits)
+            outs.append(logits[:, 0])
             if j + 1 < steps:
-                emb, hidden = next_emb(j, logits)[:, None], y
+                emb, hidden = next_emb(j, logits[:, 0])[:, None], y
         return torch.stack(ys, 1), torch.stack(outs, 1)
 
     def context_kv(self, features: Tensor, next_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
