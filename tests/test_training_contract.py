@@ -211,3 +211,30 @@ def test_a_vocabulary_too_large_or_for_another_target_is_one_clear_error(target,
     with pytest.raises(SpecforgeError, match="trained for a target with vocab_size=96; the bound target has "
                                              "vocab_size=128"):
         Engine.from_pipeline(load_pipeline(["default"], sections=sections), other)
+
+
+def test_dflash_trains_on_its_own_position_weighted_cross_entropy(target):
+    """DFlash's objective (its paper, §4): Σ_k exp(−(k−1)/γ_w)·CE_k per block, γ_w from its table
+    (7 at γ = 16, 5 at 10, 4 at 8), no TV or confidence term, no heads — by default."""
+    from specforge.training.contract import TrainBatch
+    from specforge_plugins.drafters.block.training import DFlashTrainConfig, DFlashTraining, dflash_decay
+
+    assert (dflash_decay(16), dflash_decay(10), dflash_decay(8), dflash_decay(7)) == (7, 5, 4, 3.5)
+    config = DFlashTrainConfig(gamma=4, layers=1)
+    assert config.loss.decay == 2 and DFlashTrainConfig().layers == 5 and DFlashTrainConfig().loss.decay == 7
+    method = DFlashTraining(config, target)
+    assert method.module.head is None and method.module.confidence is None
+    gen = torch.Generator().manual_seed(0)
+    b, s, v = 2, 4, target.args.vocab_size
+    logits = torch.randn(b, s, v, generator=gen)
+    labels = torch.randint(0, v, (b, s), generator=gen)
+    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1]], dtype=torch.bool)  # a hole ends the prefix
+    p_t = torch.softmax(torch.randn(b, s, v, generator=gen), -1)
+    none = torch.zeros(b, 1)
+    batch = TrainBatch(block_ids=none, anchor_pos=none, anchor_ids=none, labels=labels, prev_ids=labels, valid=valid,
+                       ctx=none, ctx_valid=none, ctx_index=none, p_t=p_t)
+    out = method.loss((logits, None), batch)
+    nll = -torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+    w = torch.exp(-torch.arange(4.0) / 2)
+    by_hand = ((w * nll[0]).sum() + (w[:2] * nll[1, :2]).sum()) / 2
+    torch.testing.assert_close(out.total, by_hand)

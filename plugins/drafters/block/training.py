@@ -35,18 +35,30 @@ from specforge_plugins.drafters.block.checkpoint import DrafterCheckpointError, 
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.model import MASK, BlockBackbone, SharedWeights
 
-__all__ = ["BlockTrainConfig", "BlockTraining", "DFlashTraining", "DrafterModule", "LossWeights"]
+__all__ = ["BlockTrainConfig", "BlockTraining", "DFlashTrainConfig", "DFlashTraining", "DrafterModule", "LossWeights",
+           "dflash_decay"]
 
 NONE = "none"  # no correction head / no confidence head
 
 
 class LossWeights(BaseModel):
-    """λ of L = λ_ce·L_ce + λ_tv·L_tv + λ_conf·L_conf (paper eq. 12)."""
+    """λ of L = λ_ce·L_ce + λ_tv·L_tv + λ_conf·L_conf (paper eq. 12) and the decay of the
+    position weights w_k = exp(−(k−1)/decay)."""
 
     model_config = ConfigDict(extra="forbid")
     ce_weight: float = Field(0.1, ge=0)
     tv_weight: float = Field(0.9, ge=0)
     conf_weight: float = Field(1.0, ge=0)
+    decay: float | None = Field(None, gt=0, description="γ_w of the position weights; None: γ (DSpark)")
+
+
+# DFlash's γ_w per block size (Chen et al., 2026, §4); other sizes take γ/2, the table's trend.
+DFLASH_DECAY = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def dflash_decay(gamma: int) -> float:
+    """DFlash's decay of its position-weighted cross-entropy for a block of ``gamma`` positions."""
+    return DFLASH_DECAY.get(gamma, gamma / 2)
 
 
 def _component(kind: ComponentKind, value: Any, default: str) -> dict[str, Any]:
@@ -81,9 +93,9 @@ class BlockTrainConfig(BaseModel):
     layers: int = Field(2, ge=1, description="draft transformer layers")
     gamma: int = Field(7, ge=1, description="draft positions per block")
     target_layers: list[int] | None = Field(None, description="tapped target layers; None: 5 spread from 1 to L-3")
-    head: dict[str, Any] = Field(default_factory=lambda: {"name": "markov"},
+    head: dict[str, Any] = Field(default_factory=lambda: {"name": "markov"}, validate_default=True,
                                  description="correction head trained with the backbone: name + its keys, or none")
-    confidence: dict[str, Any] = Field(default_factory=lambda: {"name": "dspark-head"},
+    confidence: dict[str, Any] = Field(default_factory=lambda: {"name": "dspark-head"}, validate_default=True,
                                        description="confidence head trained with it: dspark-head + its keys, or none")
     seed: int = Field(0, description="seed of the backbone's initialisation")
     norm_init_scale: float | None = Field(
@@ -218,7 +230,7 @@ class BlockTraining:
             p_t = p_t[..., ids]
             outside = (1 - p_t.sum(-1)).clamp_min(0)
             labels = self.vocab.to_draft(labels.clamp_min(0)).masked_fill(labels < 0, -1)
-        res = dspark_loss(logits, labels, p_t, batch.valid, conf, gamma=self.block_config.gamma,
+        res = dspark_loss(logits, labels, p_t, batch.valid, conf, gamma=w.decay or self.block_config.gamma,
                           ce_weight=w.ce_weight, tv_weight=w.tv_weight, conf_weight=w.conf_weight, outside=outside)
         return LossOutput(total=res.total, blocks=res.mask[:, 0].sum(),
                           means={"ce": res.ce, "tv": res.tv, "conf": res.conf, "tau": res.tau},
@@ -261,8 +273,30 @@ class BlockTraining:
         return sections
 
 
+class DFlashTrainConfig(BlockTrainConfig):
+    """``dflash``'s training keys: the same as DSpark's, with DFlash's own defaults — 5 layers,
+    γ = 16, no correction or confidence head, and its objective: the position-weighted
+    cross-entropy alone, w_k = exp(−(k−1)/γ_w) with γ_w from :func:`dflash_decay`."""
+
+    layers: int = Field(5, ge=1, description="draft transformer layers")
+    gamma: int = Field(16, ge=1, description="draft positions per block")
+    head: dict[str, Any] = Field(default_factory=lambda: {"name": NONE}, validate_default=True,
+                                 description="correction head trained with the backbone: name + its keys, or none")
+    confidence: dict[str, Any] = Field(default_factory=lambda: {"name": NONE}, validate_default=True,
+                                       description="confidence head trained with it: name + its keys, or none")
+    loss: LossWeights = Field(default_factory=lambda: LossWeights(ce_weight=1.0, tv_weight=0.0, conf_weight=0.0))
+
+    @model_validator(mode="after")
+    def _decay(self) -> DFlashTrainConfig:
+        if self.loss.decay is None:
+            self.loss = self.loss.model_copy(update={"decay": dflash_decay(self.gamma)})
+        return self
+
+
 class DFlashTraining(BlockTraining):
-    """DFlash's layout: ``[x_0, MASK × γ]``, the γ mask slots predict x_1 … x_γ."""
+    """DFlash's layout: ``[x_0, MASK × γ]``, the γ mask slots predict x_1 … x_γ; its own
+    objective and defaults (:class:`DFlashTrainConfig`)."""
 
     method = "dflash"
     predict_anchor = False
+    config = DFlashTrainConfig
