@@ -194,6 +194,20 @@ def cmd_bench_round(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench_drafters(args: argparse.Namespace) -> int:
+    """Drafters trained on the same data at the same budget, compared in one run
+    (:mod:`specforge.bench.drafters`)."""
+    from specforge.bench.drafters import bench_table, load_bench_config, run_drafters_bench, save_bench
+
+    overrides = list(args.overrides) + ([f"out={args.out}"] if args.out else [])
+    bench = load_bench_config(args.config or ["paper"], overrides)
+    result = run_drafters_bench(bench)
+    paths = save_bench(result, bench.out)
+    print(json.dumps(result, indent=2) if args.json else bench_table(result))
+    print(f"wrote {', '.join(map(str, paths))}", file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_bench_ab(args: argparse.Namespace) -> int:
     """Paired trials of decoding setups (:mod:`specforge.bench.ab`)."""
     from specforge.bench.ab import run_ab, save, table
@@ -374,6 +388,25 @@ def _add_bench(sub) -> None:
     _add_bench_engine(bench_sub)
     _add_bench_ab(bench_sub)
     _add_bench_round(bench_sub)
+    _add_bench_drafters(bench_sub)
+
+
+def _add_bench_drafters(bench_sub) -> None:
+    db = bench_sub.add_parser(
+        "drafters",
+        help="train drafters on the same data at the same budget, then τ, speedup and acceptance in one run",
+        description="Every method of the bench config (preset 'paper': DSpark 2 and 5 layers, DFlash 5, "
+                    "Eagle3, Medusa, plus Eagle3's and Medusa's trees) trains on one regenerated dataset for "
+                    "budget_minutes each (its step count from a timed probe), then every arm decodes the same "
+                    "prompts as plain decoding in the same run.  Writes bench.json, table.md, acceptance.png "
+                    "and learning.png; a second call resumes or reuses what the first made.")
+    db.add_argument("--config", action="append", metavar="PRESET|FILE",
+                    help="bench config (repeatable, merged left to right; default: 'paper')")
+    db.add_argument("--out", default=None, help="output directory (the config's 'out' key)")
+    db.add_argument("--json", action="store_true", help="print the JSON result instead of the tables")
+    db.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="bench config overrides, e.g. budget_minutes=30 prompts=4")
+    db.set_defaults(func=cmd_bench_drafters)
 
 
 def _add_bench_engine(bench_sub) -> None:

@@ -9,10 +9,10 @@ from typing import Any
 
 from specforge.files import write_atomic
 
-__all__ = ["acceptance_plot", "comparison_table", "save", "table"]
+__all__ = ["acceptance_plot", "comparison_table", "fmt", "save", "table"]
 
 
-def _f(value: Any, spec: str = ".2f") -> str:
+def fmt(value: Any, spec: str = ".2f") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return format(value, spec)
@@ -27,15 +27,15 @@ def table(result: dict[str, Any]) -> str:
             *(["vocab %"] if coverage else [])]
     lines = [head]
     for r in rows:
-        acc = [_f(a) for a in r["acceptance"]] + ["-"] * (width - len(r["acceptance"]))
+        acc = [fmt(a) for a in r["acceptance"]] + ["-"] * (width - len(r["acceptance"]))
         share = r.get("latency_share", {}).get("correction_head")
         cov = r.get("vocab_coverage")
-        lines.append([r["dataset"], _f(r["temperature"], "g"), _f(r["tau"]), *acc, _f(r.get("tok_s"), ".1f"),
-                      _f(r.get("ar_tok_s"), ".1f"), _f(r.get("speedup")),
-                      _f(None if share is None else 100 * share, ".1f"),
-                      *([_f(None if cov is None else 100 * cov, ".1f")] if coverage else [])])
+        lines.append([r["dataset"], fmt(r["temperature"], "g"), fmt(r["tau"]), *acc, fmt(r.get("tok_s"), ".1f"),
+                      fmt(r.get("ar_tok_s"), ".1f"), fmt(r.get("speedup")),
+                      fmt(None if share is None else 100 * share, ".1f"),
+                      *([fmt(None if cov is None else 100 * cov, ".1f")] if coverage else [])])
     for key, s in result.get("summary", {}).items():
-        lines.append([f"mean ({key})", "", _f(s["tau"]), *[""] * width, "", "", _f(s.get("speedup")), "",
+        lines.append([f"mean ({key})", "", fmt(s["tau"]), *[""] * width, "", "", fmt(s.get("speedup")), "",
                       *([""] if coverage else [])])
     return _layout(lines)
 
@@ -47,13 +47,13 @@ def comparison_table(result: dict[str, Any], label: str = "evaluated") -> str:
     head = ["dataset", "T", "plain tok/s"] + [f"{name} {col}" for name in arms for col in ("τ", "×plain")]
     lines = [head]
     for i, r in enumerate(result["results"]):
-        lines.append([r["dataset"], _f(r["temperature"], "g"), _f(r.get("ar_tok_s"), ".1f"),
-                      *[c for rows in arms.values() for c in (_f(rows[i]["tau"]), _f(rows[i].get("speedup")))]])
+        lines.append([r["dataset"], fmt(r["temperature"], "g"), fmt(r.get("ar_tok_s"), ".1f"),
+                      *[c for rows in arms.values() for c in (fmt(rows[i]["tau"]), fmt(rows[i].get("speedup")))]])
     summaries = {label: result.get("summary", {}),
                  **{name: arm["summary"] for name, arm in result.get("compare", {}).items()}}
     for key in result.get("summary", {}):
         lines.append([f"mean ({key})", "", "", *[c for s in summaries.values()
-                                                for c in (_f(s[key]["tau"]), _f(s[key].get("speedup")))]])
+                                                for c in (fmt(s[key]["tau"]), fmt(s[key].get("speedup")))]])
     return _layout(lines)
 
 

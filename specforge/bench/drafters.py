@@ -1,0 +1,393 @@
+"""``specforge bench drafters``: several drafters trained on the same data at the same budget, then
+compared in one run (docs/benchmarks/drafters.md; the protocol of the DSpark paper's §4, Table 1
+and Fig. 2).
+
+1. *Data.*  Every method trains on one regenerated dataset (``<out>/regenerated``, answered by the
+   target once) and methods that tap the same target layers share one feature cache
+   (``<out>/features/<layers>``).  Both are data preparation, outside the budget.
+2. *Budget.*  Each method first runs ``probe_steps`` steps in a scratch directory; the median step
+   time turns ``budget_minutes`` of training (wall clock at this process's thread count) into a
+   step count, and the method is then trained for exactly that many steps with its learning-rate
+   schedule fitted to them — equal time, not equal steps, since a 2-layer backbone steps faster
+   than a 5-layer one.  ``<out>/<method>/budget.json`` records the probe; a killed run resumes
+   from the method's last checkpoint.
+3. *Evaluation.*  Every trained drafter, and every tree arm (a trained drafter served with a token
+   tree), decodes the same prompts of each eval set at each temperature, with plain decoding of the
+   same target in the same run (:func:`specforge.evaluation.evaluate`): τ, the speedup, each
+   method's round as a multiple of a plain step, and the conditional acceptance per position.
+
+Writes ``bench.json``, ``table.md`` (the Table-1-shaped tables), ``acceptance.png`` (Fig. 2) and
+``learning.png`` (held-out τ̂ against training minutes, to see whether τ has flattened).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from specforge.bench.machine import machine
+from specforge.config import ConfigError, compose, validation_problems
+from specforge.files import write_atomic
+
+__all__ = ["BENCH_PRESETS", "DraftersBench", "bench_table", "load_bench_config", "run_drafters_bench"]
+
+
+class BenchMethod(BaseModel):
+    """One trained arm: its ``drafter.*`` training section, and pipeline overrides for serving it."""
+
+    model_config = ConfigDict(extra="forbid")
+    drafter: dict[str, Any] = Field(description="the drafter.* section of its training config (name + keys)")
+    serve: list[str] = Field(default_factory=list, description="pipeline key=value overrides when serving it")
+
+
+class TreeArm(BaseModel):
+    """A trained method served with a token tree, compared with its own chain at concurrency 1."""
+
+    model_config = ConfigDict(extra="forbid")
+    of: str = Field(description="the trained method it serves")
+    drafter: dict[str, Any] = Field(description="drafter.* keys that make it a tree, e.g. {tree: {topk: 4, nodes: 16}}")
+
+
+class DraftersBench(BaseModel):
+    """``specforge bench drafters``: what to train, for how long, and what to measure."""
+
+    model_config = ConfigDict(extra="forbid")
+    train: list[str] = Field(default_factory=lambda: ["cpu"],
+                             description="training presets or YAML files every method shares (data, features, optimizer)")
+    overrides: list[str] = Field(default_factory=list, description="key=value overrides of that shared training config")
+    budget_minutes: float = Field(60.0, gt=0, description="training wall-clock minutes per method")
+    probe_steps: int = Field(6, ge=2, description="steps timed to turn the budget into a step count")
+    eval_points: int = Field(8, ge=1, description="held-out evaluations over a method's run (the learning curve)")
+    methods: dict[str, BenchMethod]
+    trees: dict[str, TreeArm] = Field(default_factory=dict)
+    datasets: list[str] = Field(default_factory=lambda: ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"])
+    prompts: int = Field(8, ge=1, description="prompts per eval set")
+    max_new_tokens: int = Field(128, ge=1)
+    temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
+    eval_dir: str | None = Field(None, description="folder of the named prompt sets (default: the shipped ones)")
+    out: str = Field("runs/bench-drafters", description="output directory")
+
+    @model_validator(mode="after")
+    def _trees_name_methods(self) -> DraftersBench:
+        bad = [f"trees.{k}.of: {t.of!r} is not one of the methods ({', '.join(self.methods)})"
+               for k, t in self.trees.items() if t.of not in self.methods]
+        clash = sorted(set(self.trees) & set(self.methods))
+        if bad or clash:
+            raise ValueError("; ".join(bad + [f"trees.{k}: the name is a method's too" for k in clash]))
+        if not self.methods:
+            raise ValueError("methods: name at least one")
+        return self
+
+
+# The paper's comparison (§4, Table 1) at SmolLM2's scale: chain drafting, γ = 7 (TTT 7 for Eagle3,
+# 7 heads for Medusa), every drafter over the same 8,192-token draft vocabulary, on the `cpu`
+# preset's data (~3,600 of the target's own answers).  The trees are EAGLE-2's dynamic tree and a
+# Medusa static tree of 16 nodes (the top-k per head, widest near the root).
+_MEDUSA_TREE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
+                [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
+_VOCAB = 8192
+BENCH_PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {
+        "methods": {
+            "dspark-2": {"drafter": {"name": "dspark", "layers": 2, "gamma": 7, "draft_vocab": _VOCAB}},
+            "dspark-5": {"drafter": {"name": "dspark", "layers": 5, "gamma": 7, "draft_vocab": _VOCAB}},
+            "dflash-5": {"drafter": {"name": "dflash", "layers": 5, "gamma": 7, "draft_vocab": _VOCAB}},
+            "eagle3": {"drafter": {"name": "eagle3", "steps": 7, "draft_vocab": _VOCAB}},
+            "medusa": {"drafter": {"name": "medusa", "heads": 7, "draft_vocab": _VOCAB}},
+        },
+        "trees": {
+            "eagle3-tree": {"of": "eagle3", "drafter": {"tree": {"topk": 4, "nodes": 16}}},
+            "medusa-tree": {"of": "medusa", "drafter": {"tree": _MEDUSA_TREE}},
+        },
+    },
+}
+
+
+def load_bench_config(sources: Sequence[str] = ("paper",), overrides: Sequence[str] = ()) -> DraftersBench:
+    """Presets (:data:`BENCH_PRESETS`) or YAML files merged left to right, then ``key=value``
+    overrides; every problem is reported at once, naming the key and the valid keys."""
+    layers = []
+    for src in sources:
+        if src in BENCH_PRESETS and not Path(src).is_file():
+            layers.append(OmegaConf.create(copy.deepcopy(BENCH_PRESETS[src])))
+        elif Path(src).is_file():
+            layers.append(OmegaConf.create(compose([src])))
+        else:
+            raise ConfigError([f"{src}: no such bench config file or preset; presets: {', '.join(BENCH_PRESETS)}"])
+    merged = OmegaConf.merge(*layers, OmegaConf.create(compose([], list(overrides))))
+    raw = OmegaConf.to_container(merged, resolve=True)
+    try:
+        return DraftersBench.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(validation_problems(exc, DraftersBench)) from None
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _shared(bench: DraftersBench) -> dict[str, Any]:
+    """The training config every method shares, as a dict."""
+    from specforge.training.config import load_train_config
+
+    return load_train_config(list(bench.train), list(bench.overrides)).to_dict()
+
+
+def _train_config(bench: DraftersBench, label: str, out: Path, layers: Sequence[int] | None,
+                  schedule: dict[str, Any] | None, directory: Path | None = None,
+                  output: dict[str, Any] | None = None) -> Any:
+    """The training config of one method: the shared one with its drafter section, the shared data
+    and feature cache, and (once known) its budgeted schedule."""
+    from specforge.training.config import validate_train_config
+
+    raw = _shared(bench)
+    raw["drafter"] = copy.deepcopy(bench.methods[label].drafter)
+    raw["output"]["dir"] = str(directory or out / label)
+    regen = raw["data"]["regenerate"]
+    if regen.get("enabled") and not regen.get("dir"):
+        regen["dir"] = str(out / "regenerated")
+    if layers is not None and not raw["features"].get("cache_dir"):
+        raw["features"]["cache_dir"] = str(out / "features" / "-".join(map(str, layers)))
+    if schedule is not None:
+        raw["schedule"].update(schedule)
+    raw["output"].update(output or {})
+    return validate_train_config(raw, source=f"bench method {label}")
+
+
+def _tap_layers(config: Any, target: Any) -> tuple[int, ...]:
+    """The target layers a method's features hold (its training method says)."""
+    method_cls, options = config.training_method()
+    return tuple(method_cls(options, target, "cpu").needs().layers)
+
+
+def _step_seconds(metrics: Path) -> float:
+    """Median step time of a probe, the first step (allocation, first-call kernels) left out."""
+    times = [r["step_time"] for r in map(json.loads, metrics.read_text().splitlines())
+             if r.get("split") == "train" and r.get("step", 0) > 1]
+    if not times:
+        raise ConfigError([f"{metrics}: the budget probe recorded no step after the first"])
+    return statistics.median(times)
+
+
+def _budget(bench: DraftersBench, label: str, out: Path, layers: tuple[int, ...], target: Any,
+            say: Callable[[str], None]) -> dict[str, Any]:
+    """Probe the method's step time (once; cached in budget.json) and size its run to the budget."""
+    from specforge.training import Trainer
+
+    path = out / label / "budget.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    probe_dir = out / label / "probe"
+    shutil.rmtree(probe_dir, ignore_errors=True)
+    steps = bench.probe_steps
+    config = _train_config(bench, label, out, layers, {"total_steps": 10 * steps, "epochs": None, "warmup_steps": 0},
+                           directory=probe_dir)
+    trainer = Trainer(config, target=target)
+    try:
+        trainer.train(max_steps=steps)
+    finally:
+        trainer.close()
+    seconds = _step_seconds(probe_dir / "metrics.jsonl")
+    total = max(1, int(bench.budget_minutes * 60 / seconds))
+    record = {"budget_minutes": bench.budget_minutes, "probe_step_seconds": seconds, "steps": total,
+              "machine": machine()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(record, indent=2))
+    shutil.rmtree(probe_dir, ignore_errors=True)
+    say(f"{label}: {seconds:.2f} s per step → {total} steps in {bench.budget_minutes:g} min")
+    return record
+
+
+def _train(bench: DraftersBench, label: str, out: Path, target: Any, say: Callable[[str], None]) -> dict[str, Any]:
+    """Train (or resume, or reuse) one method at the budget; its serving sections and its curve."""
+    from specforge.training import Trainer
+    from specforge.training.checkpoint import latest_checkpoint
+
+    layers = _tap_layers(_train_config(bench, label, out, None, None), target)
+    budget = _budget(bench, label, out, layers, target, say)
+    steps = budget["steps"]
+    warmup = min(int(_shared(bench)["schedule"].get("warmup_steps") or 0), steps // 10)
+    interval = max(1, steps // bench.eval_points)
+    config = _train_config(bench, label, out, layers, {"total_steps": steps, "epochs": None, "warmup_steps": warmup},
+                           output={"eval_interval": interval, "checkpoint_interval": interval})
+    run = out / label
+    ckpts = run / "checkpoints"
+    last = latest_checkpoint(ckpts)[0] if ckpts.is_dir() else None
+    trainer = Trainer.resume(run, config, target=target) if last is not None else Trainer(config, target=target)
+    try:
+        if trainer.step < trainer.total_steps:
+            say(f"{label}: training steps {trainer.step}..{trainer.total_steps}")
+            trainer.train()
+        elif not (run / "drafter").is_dir():
+            trainer.export(run / "drafter")
+        serving = trainer.method.pipeline(run / "drafter")
+    finally:
+        trainer.close()
+    return {"budget": budget, "serving": serving, "curve": _curve(run / "metrics.jsonl")}
+
+
+def _curve(metrics: Path) -> dict[str, list[float]]:
+    """Held-out τ̂ against training minutes (cumulative step time) from a run's metrics.jsonl."""
+    minutes, spent, tau = [], 0.0, []
+    for rec in map(json.loads, metrics.read_text().splitlines()):
+        if rec.get("split") == "train":
+            spent += rec.get("step_time", 0.0)
+        elif rec.get("split") == "eval" and "tau" in rec:
+            minutes.append(spent / 60)
+            tau.append(rec["tau"])
+    return {"minutes": minutes, "tau": tau, "train_seconds": spent}
+
+
+def _pipelines(bench: DraftersBench, trained: dict[str, dict[str, Any]], target_section: dict[str, Any]) -> dict:
+    from specforge.config import load_pipeline
+
+    arms = {}
+    for label, spec in bench.methods.items():
+        sections = {**trained[label]["serving"], "target": target_section}
+        arms[label] = load_pipeline(["default"], list(spec.serve), sections=sections)
+    for label, tree in bench.trees.items():
+        base = trained[tree.of]["serving"]
+        sections = {**base, "target": target_section, "drafter": {**base["drafter"], **tree.drafter}}
+        arms[label] = load_pipeline(["default"], list(bench.methods[tree.of].serve), sections=sections)
+    return arms
+
+
+def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say) -> dict[str, Any]:
+    """Train every method at the budget (resuming what an earlier call made), then measure every
+    arm against plain decoding in one run; returns the JSON-ready result (see the module docstring)."""
+    from specforge.evaluation import EvalSettings, evaluate
+    from specforge.target import TargetModel
+
+    out = Path(bench.out)
+    settings = EvalSettings(datasets=list(bench.datasets), prompts=bench.prompts, temperatures=list(bench.temperatures),
+                            max_new_tokens=bench.max_new_tokens, concurrency=1, eval_dir=bench.eval_dir)
+    settings.prompt_sets()  # a missing eval set fails now, not after hours of training
+    first = _train_config(bench, next(iter(bench.methods)), out, None, None)
+    target = TargetModel.load(first.target.model, first.target.dtype)
+    trained = {}
+    t0 = time.perf_counter()
+    for i, label in enumerate(bench.methods, 1):
+        say(f"[{i}/{len(bench.methods)}] {label} → {out / label}")
+        trained[label] = _train(bench, label, out, target, say)
+    train_s = time.perf_counter() - t0
+    say("evaluation: every arm and plain decoding, same prompts, same run")
+    target_section = {"model": first.target.model, "dtype": first.target.dtype}
+    arms = _pipelines(bench, trained, target_section)
+    names = list(arms)
+    result = evaluate(arms[names[0]], settings, target=target, compare={n: arms[n] for n in names[1:]})
+    rows = {names[0]: result["results"], **{n: result["compare"][n]["results"] for n in names[1:]}}
+    return {
+        "machine": machine(),
+        "config": bench.model_dump(mode="json"),
+        "settings": settings.to_dict(),
+        "seconds": {"training_and_data": train_s},
+        "methods": {label: {"budget": t["budget"], "curve": t["curve"]} for label, t in trained.items()},
+        "trees": {label: tree.of for label, tree in bench.trees.items()},
+        "arms": {n: {"pipeline": arms[n].to_dict(), "results": rows[n], "summary": _summary(rows[n])} for n in names},
+    }
+
+
+def _summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per temperature: macro τ (each set once), mean speedup, and the round's cost in plain steps
+    (its wall time × plain tokens/s, at concurrency 1 one plain step per token)."""
+    out = {}
+    for t in sorted({r["temperature"] for r in rows}):
+        mine = [r for r in rows if r["temperature"] == t]
+        cost = [r["seconds"] / r["rounds"] * r["ar_tok_s"] for r in mine if r.get("rounds") and r.get("ar_tok_s")]
+        speed = [r["speedup"] for r in mine if not math.isnan(r.get("speedup", math.nan))]
+        out[f"T={t:g}"] = {"tau": statistics.fmean(r["tau"] for r in mine),
+                           "tau_by_set": {r["dataset"]: r["tau"] for r in mine},
+                           "speedup": statistics.fmean(speed) if speed else None,
+                           "round_cost": statistics.fmean(cost) if cost else None}
+    return out
+
+
+def bench_table(result: dict[str, Any]) -> str:
+    """Markdown: per temperature, τ per eval set and their macro average (Table 1's shape), the
+    speedup and the round's cost in plain steps; then each tree against its own chain."""
+    from specforge.evaluation.report import fmt
+
+    arms = result["arms"]
+    lines = []
+    temps = [k for k in next(iter(arms.values()))["summary"]]
+    for key in temps:
+        sets = list(next(iter(arms.values()))["summary"][key]["tau_by_set"])
+        lines += [f"**{key}** — τ per eval set (accepted drafts + 1 per round)", "",
+                  "| method | " + " | ".join(sets) + " | macro τ | speedup | round (plain steps) |",
+                  "|---|" + "---|" * (len(sets) + 3)]
+        for name, arm in arms.items():
+            s = arm["summary"][key]
+            lines.append(f"| {name} | " + " | ".join(fmt(s["tau_by_set"].get(d)) for d in sets)
+                         + f" | {fmt(s['tau'])} | {fmt(s['speedup'])}× | {fmt(s['round_cost'])} |")
+        lines.append("")
+    if result.get("trees"):
+        lines += ["**Trees against their own chain** (concurrency 1)", "",
+                  "| tree | chain | T | τ tree / chain | speedup tree / chain |", "|---|---|---|---|---|"]
+        for tree, chain in result["trees"].items():
+            for key in temps:
+                a, b = arms[tree]["summary"][key], arms[chain]["summary"][key]
+                lines.append(f"| {tree} | {chain} | {key[2:]} | {fmt(a['tau'])} / {fmt(b['tau'])} | "
+                             f"{fmt(a['speedup'])} / {fmt(b['speedup'])} |")
+        lines.append("")
+    budgets = result["methods"]
+    lines += ["**Budget** — training minutes per method (probe step time × steps; measured)", "",
+              "| method | step (s) | steps | trained (min) | held-out τ̂ at the end |", "|---|---|---|---|---|"]
+    for name, m in budgets.items():
+        curve = m["curve"]
+        lines.append(f"| {name} | {fmt(m['budget']['probe_step_seconds'])} | {m['budget']['steps']} | "
+                     f"{fmt(curve['train_seconds'] / 60, '.1f')} | {fmt(curve['tau'][-1] if curve['tau'] else None)} |")
+    return "\n".join(lines)
+
+
+def save_bench(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """bench.json, table.md, acceptance.png and learning.png under ``out_dir``."""
+    from specforge.plots import new_figure, save_figure
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "bench.json", out / "table.md"]
+    write_atomic(paths[0], json.dumps(result, indent=2, allow_nan=True))
+    write_atomic(paths[1], bench_table(result) + "\n")
+    arms = result["arms"]
+    temps = list(next(iter(arms.values()))["summary"])
+    fig = new_figure(5.2 * len(temps), 4.2)
+    for i, key in enumerate(temps):
+        ax = fig.add_subplot(1, len(temps), i + 1)
+        t = float(key[2:])
+        for name, arm in arms.items():
+            if name in result.get("trees", {}):
+                continue  # a tree's depth-k acceptance is another quantity than a chain's position-k
+            rows = [r["acceptance"] for r in arm["results"] if r["temperature"] == t and r["acceptance"]]
+            width = min(len(a) for a in rows) if rows else 0
+            if width:
+                ax.plot(range(1, width + 1), [statistics.fmean(a[k] for a in rows) for k in range(width)],
+                        marker="o", label=f"{name} (τ {arm['summary'][key]['tau']:.2f})")
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("draft position k")
+        ax.set_ylabel("P(x_k accepted | x_<k accepted), mean over sets")
+        ax.set_title(f"T = {t:g}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    paths.append(save_figure(fig, out / "acceptance.png", title=f"{result['machine']['cpu']}"))
+    fig = new_figure(6, 4.2)
+    ax = fig.add_subplot(1, 1, 1)
+    for name, m in result["methods"].items():
+        if m["curve"]["tau"]:
+            ax.plot(m["curve"]["minutes"], m["curve"]["tau"], marker="o", label=name)
+    ax.set_xlabel("training minutes")
+    ax.set_ylabel("held-out τ̂")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(save_figure(fig, out / "learning.png", title="same data, same budget"))
+    return paths
