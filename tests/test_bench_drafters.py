@@ -61,10 +61,14 @@ def test_the_config_names_a_wrong_key_and_a_tree_of_no_method(tiny_bench):
 def test_every_method_trains_at_one_budget_and_every_arm_is_measured_in_one_run(tiny_bench):
     root, bench = tiny_bench
     cmd = [sys.executable, "-m", "specforge", "bench", "drafters", "--config", str(bench), "--json"]
+    # Data preparation alone first (nothing timed): the caches are made, nothing is trained.
+    prep = subprocess.run([*cmd[:-1], "--prepare-only"], capture_output=True, text=True)
+    assert prep.returncode == 0, prep.stderr[-4000:]
+    out = root / "out"
+    assert len(list((out / "features").iterdir())) == 3 and not list(out.glob("*/budget.json"))
     first = subprocess.run(cmd, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-4000:]
     result = json.loads(first.stdout)
-    out = root / "out"
     assert (out / "regenerated" / "progress.json").is_file()  # one regenerated dataset for all
     caches = sorted(p.name for p in (out / "features").iterdir())
     assert len(caches) == 3  # dspark and dflash tap the same layers and share a cache

@@ -1,5 +1,5 @@
 """``specforge bench drafters``: several drafters trained on the same data at the same budget, then
-compared in one run (docs/benchmarks/drafters.md; the protocol of the DSpark paper's §4, Table 1
+compared in one run (docs/comparison.md; the protocol of the DSpark paper's §4, Table 1
 and Fig. 2).
 
 1. *Data.*  Every method trains on one regenerated dataset (``<out>/regenerated``, answered by the
@@ -40,7 +40,8 @@ from specforge.bench.machine import machine
 from specforge.config import ConfigError, compose, validation_problems
 from specforge.files import write_atomic
 
-__all__ = ["BENCH_PRESETS", "DraftersBench", "bench_table", "load_bench_config", "run_drafters_bench"]
+__all__ = ["BENCH_PRESETS", "DraftersBench", "bench_table", "load_bench_config", "prepare", "run_drafters_bench",
+           "save_bench"]
 
 
 class BenchMethod(BaseModel):
@@ -263,9 +264,27 @@ def _pipelines(bench: DraftersBench, trained: dict[str, dict[str, Any]], target_
     return arms
 
 
-def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say) -> dict[str, Any]:
+def prepare(bench: DraftersBench, target: Any, say: Callable[[str], None] = _say) -> None:
+    """Data preparation only: the regenerated answers and every method's feature cache — no step
+    is timed, so it may run while the machine is busy; the budget probe and the training then
+    reuse them."""
+    from specforge.training import Trainer
+
+    out = Path(bench.out)
+    for label in bench.methods:
+        layers = _tap_layers(_train_config(bench, label, out, None, None), target)
+        say(f"{label}: data and feature cache for layers {list(layers)}")
+        config = _train_config(bench, label, out, layers, {"total_steps": 1, "epochs": None, "warmup_steps": 0},
+                               directory=out / label / "probe")
+        Trainer(config, target=target).close()
+        shutil.rmtree(out / label / "probe", ignore_errors=True)
+
+
+def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say,
+                       prepare_only: bool = False) -> dict[str, Any] | None:
     """Train every method at the budget (resuming what an earlier call made), then measure every
-    arm against plain decoding in one run; returns the JSON-ready result (see the module docstring)."""
+    arm against plain decoding in one run; returns the JSON-ready result (see the module docstring).
+    ``prepare_only``: stop after the data and feature caches (:func:`prepare`) and return None."""
     from specforge.evaluation import EvalSettings, evaluate
     from specforge.target import TargetModel
 
@@ -275,6 +294,9 @@ def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say) 
     settings.prompt_sets()  # a missing eval set fails now, not after hours of training
     first = _train_config(bench, next(iter(bench.methods)), out, None, None)
     target = TargetModel.load(first.target.model, first.target.dtype)
+    if prepare_only:
+        prepare(bench, target, say)
+        return None
     trained = {}
     t0 = time.perf_counter()
     for i, label in enumerate(bench.methods, 1):
