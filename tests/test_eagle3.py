@@ -253,3 +253,28 @@ def test_a_dynamic_tree_keeps_greedy_parity(target, host, verifier):
                   verifier=verifier).generate(requests())
     assert [o.token_ids for o in tree] == [o.token_ids for o in plain]
     assert sum(o.stats.drafted for o in tree) > 0
+
+
+def test_the_ttt_loss_is_soft_cross_entropy_against_the_target_law_weighted_by_step(tmp_path):
+    """Σ_k 0.8^(k−1)·(−Σ_x p_t,k(x)·log q_k(x)) per block, averaged over the blocks whose first
+    step is supervised (an anchor at position 0 has no row before it) — by hand on tiny tensors."""
+    from specforge.training.contract import TrainBatch
+    from specforge_plugins.drafters.eagle3.training import Eagle3TrainConfig, Eagle3Training
+
+    target = tiny_target()
+    v = target.args.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    b, k = 3, 3
+    labels = torch.randint(0, v, (b, k), generator=gen)
+    valid = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    anchor = torch.tensor([3, 5, 0])
+    p_t = torch.softmax(torch.randn(b, k, v, generator=gen), -1)
+    none = torch.zeros(b, 1)
+    batch = TrainBatch(block_ids=none, anchor_pos=anchor, anchor_ids=none, labels=labels, prev_ids=labels,
+                       valid=valid, ctx=none, ctx_valid=none, ctx_index=none, p_t=p_t)
+    method = Eagle3Training(Eagle3TrainConfig(steps=k), target)
+    logits = torch.randn(b, k, v, generator=gen)
+    out = method.loss(logits, batch)
+    soft = -(p_t * torch.log_softmax(logits, -1)).sum(-1)
+    w = torch.tensor([1.0, 0.8, 0.64])
+    torch.testing.assert_close(out.total, ((w * soft[0]).sum() + (w[:2] * soft[1, :2]).sum()) / 2)

@@ -188,3 +188,46 @@ def test_a_static_candidate_tree_keeps_greedy_parity_and_accepts_off_the_top_pat
     assert sum(o.stats.accepted for o in outs) > 0
     with pytest.raises(ValueError, match=r"the path \[1\] is missing"):
         MedusaConfig(tree=[[0], [1, 0]])
+
+
+def test_the_medusa_1_loss_is_the_weighted_sum_of_head_cross_entropies(train_target):
+    """Σ_k 0.8^k·CE_k per block (k = 1 … K), averaged over the blocks whose first head is
+    supervised; an anchor at position 0 has no hidden state before it; over a draft vocabulary a
+    label outside it is unsupervised and the rest are draft ids — by hand on tiny tensors."""
+    from specforge.training.contract import DataSummary, TrainBatch
+    from specforge_plugins.drafters.medusa.training import MedusaTrainConfig, MedusaTraining
+
+    v = train_target.args.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    b, k = 3, 3
+    labels = torch.randint(0, v, (b, k), generator=gen)
+    valid = torch.tensor([[1, 1, 1], [1, 0, 1], [1, 1, 1]], dtype=torch.bool)
+    anchor = torch.tensor([4, 2, 0])  # the third block has no hidden state before its anchor
+    none = torch.zeros(b, 1)
+    batch = TrainBatch(block_ids=none, anchor_pos=anchor, anchor_ids=none, labels=labels, prev_ids=labels,
+                       valid=valid, ctx=none, ctx_valid=none, ctx_index=none)
+    method = MedusaTraining(MedusaTrainConfig(heads=k), train_target)
+    logits = torch.randn(b, k, v, generator=gen)
+    out = method.loss(logits, batch)
+    nll = -torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+    lam = torch.tensor([0.8, 0.64, 0.512])
+    by_hand = ((lam * nll[0]).sum() + lam[0] * nll[1, 0] + lam[2] * nll[1, 2]) / 2  # heads are independent: block 1 keeps head 3
+    torch.testing.assert_close(out.total, by_hand)
+
+    # over a draft vocabulary: the labels of the first block made the vocabulary, minus its last one
+    counts = torch.zeros(v, dtype=torch.long)
+    counts[labels[0, :2]] = 10
+    counts[labels[1, 0]] = 10
+    small = MedusaTraining(MedusaTrainConfig(heads=k, draft_vocab=3), train_target)
+    small.prepare(DataSummary(sequences=1, token_counts=counts))
+    ids = small.vocab.ids
+    drafted = torch.randn(b, k, 3, generator=gen)
+    out = small.loss(drafted, batch)
+    terms = []
+    for i in range(2):
+        for j in range(k):
+            tok = int(labels[i, j])
+            if valid[i, j] and bool((ids == tok).any()):
+                d = int((ids == tok).nonzero())
+                terms.append(lam[j] * -torch.log_softmax(drafted[i, j], -1)[d])
+    torch.testing.assert_close(out.total, sum(terms) / 2)
