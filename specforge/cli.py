@@ -194,6 +194,23 @@ def cmd_bench_round(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit a calibrator on a pipeline's own rounds (:mod:`specforge.calibration`)."""
+    from specforge.calibration import CalibrateSettings, calibrate, calibration_table
+
+    pipeline = load_pipeline(args.config or ["dspark"], args.overrides)
+    settings = CalibrateSettings(datasets=args.dataset or CalibrateSettings.datasets, prompts=args.prompts,
+                                 max_new_tokens=args.max_new_tokens, temperatures=args.temperature,
+                                 calibrator=args.calibrator, eval_dir=args.eval_dir, seed=args.seed)
+    result = calibrate(pipeline, settings, args.out)
+    print(json.dumps(result, indent=2) if args.json else calibration_table(result))
+    files = ", ".join(r["calibrator_file"] for r in result["temperatures"].values())
+    print(f"wrote {files}; calibration.json and reliability-*.png in {args.out}\n"
+          f"serve with: calibrator.name={args.calibrator} calibrator.path=<the file for your temperature>",
+          file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_bench_drafters(args: argparse.Namespace) -> int:
     """Drafters trained on the same data at the same budget, compared in one run
     (:mod:`specforge.bench.drafters`)."""
@@ -569,7 +586,32 @@ def _add_eval(sub) -> None:
     ev.set_defaults(func=cmd_eval)
 
 
-_BUILT_IN = (_add_plugins, _add_config, _add_generate, _add_bench, _add_profile, _add_train, _add_run, _add_eval)
+def _add_calibrate(sub) -> None:
+    ca = sub.add_parser(
+        "calibrate",
+        help="fit a calibrator (STS) on a pipeline's own rounds; ECE, AUROC, Brier before and after",
+        description="Decode held-out prompts (drawn between the ones `specforge eval` picks) with every drafted "
+                    "token verified, record each round's raw confidences and outcome, fit the calibrator on the "
+                    "rounds of even-numbered prompts and score it on the others, per temperature.  Writes "
+                    "calibrator-T<t>.safetensors, reliability-T<t>.png and calibration.json.")
+    ca.add_argument("--config", action="append", metavar="FILE|PRESET",
+                    help="pipeline config (repeatable; default: 'dspark')")
+    ca.add_argument("--dataset", action="append", metavar="NAME|FILE.jsonl",
+                    help="prompt set (repeatable; default: gsm8k math500 humaneval mbpp mt-bench)")
+    ca.add_argument("--prompts", type=int, default=16, help="prompts per set (half fit, half score)")
+    ca.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    ca.add_argument("--max-new-tokens", type=int, default=128)
+    ca.add_argument("--calibrator", default="sts", help="the registered calibrator to fit")
+    ca.add_argument("--eval-dir", default=None, metavar="DIR")
+    ca.add_argument("--seed", type=int, default=0)
+    ca.add_argument("--out", default="runs/calibrate")
+    ca.add_argument("--json", action="store_true")
+    ca.add_argument("overrides", nargs="*", metavar="key=value", help="pipeline overrides")
+    ca.set_defaults(func=cmd_calibrate)
+
+
+_BUILT_IN = (_add_plugins, _add_config, _add_generate, _add_bench, _add_profile, _add_train, _add_run, _add_eval,
+             _add_calibrate)
 
 
 def _add_plugin_commands(sub, host: PluginHost) -> list[str]:

@@ -28,7 +28,9 @@ caller of the steps below, in this order; no component hands another one around.
 3. *Rounds* — ``drafter.draft(ctx)``: the drafter runs ``ctx.correction_head`` (the pipeline's,
    which stays the engine's) in its sequential stage; the engine then calls the confidence
    estimator, the calibrator, the scheduler and the verifier.  Every per-request random number
-   comes from :func:`specforge.sampling.draw_uniforms` (``ctx.uniforms`` for a drafter).
+   comes from :func:`specforge.sampling.draw_uniforms` (``ctx.uniforms`` for a drafter).  Once
+   a chain round is verified, a calibrator with ``observe(outcome)`` is told what happened
+   (:class:`RoundOutcome`) — after the round, so nothing it learns reaches that round's decisions.
 4. ``release(request_id)`` — when a request finishes.
 """
 
@@ -53,6 +55,7 @@ __all__ = [
     "Drafter",
     "Scheduler",
     "TargetFeatures",
+    "RoundOutcome",
     "Verifier",
     "VerifyOutput",
 ]
@@ -201,9 +204,39 @@ class CalibrationData:
         return torch.full((n,), g, dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one verified chain round showed, for R' requests (those verified, in batch order).
+
+    Attributes:
+        request_ids: the requests.
+        confidence: ``[R', G]`` the raw conditional confidences c_k of the round, before calibration.
+        available: ``[R']`` drafted tokens per request.
+        verified: ``[R']`` verified draft tokens ℓ (positions past it observed nothing).
+        accepted: ``[R']`` accepted draft tokens n ≤ ℓ.
+        temperature: ``[R']`` each request's sampling temperature.
+    """
+
+    request_ids: list[int]
+    confidence: Tensor
+    available: Tensor
+    verified: Tensor
+    accepted: Tensor
+    temperature: Tensor
+
+    def calibration_data(self) -> CalibrationData:
+        """These rounds as held-out data for :meth:`Calibrator.fit`."""
+        return CalibrationData(self.confidence, self.accepted, self.verified)
+
+
 @runtime_checkable
 class Calibrator(Protocol):
-    """Maps raw confidences to calibrated ones; order-preserving at each position."""
+    """Maps raw confidences to calibrated ones; order-preserving at each position.
+
+    Optional: ``observe(outcome: RoundOutcome)``, called by the engine after each verified chain
+    round (never before its own round's scheduling), for a calibrator that keeps learning while
+    serving.
+    """
 
     def fit(self, data: CalibrationData) -> dict[str, Any]:
         """Fit on held-out rounds; return a report of metrics before and after."""

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specforge.components import ComponentWeights, DraftBlock, DraftContext, TargetFeatures, Verifier
+from specforge.components import ComponentWeights, DraftBlock, DraftContext, RoundOutcome, TargetFeatures, Verifier
 from specforge.config import ConfigError, EngineConfig, PipelineConfig, SamplingConfig
 from specforge.engine.request import (
     FinishReason,
@@ -115,6 +115,10 @@ class Engine:
         # which are not counted again in the shares.
         self.phase_seconds: dict[str, float] = dict.fromkeys(("draft", "target", "verify", "commit"), 0.0)
         self.draft_seconds: dict[str, float] = dict.fromkeys(("drafter", "confidence", "scheduler"), 0.0)
+        # Callables given each verified chain round's RoundOutcome, after the calibrator's
+        # ``observe`` (e.g. ``specforge calibrate``'s recorder).
+        self.round_observers: list[Any] = []
+        self._raw_confidence: Tensor | None = None  # the current round's, for its outcome
 
     def _bind(self, drafter, correction_head, confidence, calibrator=None, scheduler=None) -> None:
         """Lifecycle steps 1–2 (:mod:`specforge.components`): bind every component that has a
@@ -323,6 +327,8 @@ class Engine:
                 self.cache.compact(states[r].slot, [start + j for j in kept_rows[i]], start)
         if self.taps:
             self._keep_features(states, keep, kept_rows, batch, out.taps)
+        if parents is None and self._raw_confidence is not None:
+            self._observe(states, keep, block, lengths, result.num_accepted, sampling)
         for i, r in enumerate(keep):
             events.append(self._commit(states[r], drafts[i], int(lengths[r]), int(block.lengths[r]),
                                        int(result.num_accepted[i]), int(result.next_token[i])))
@@ -337,6 +343,7 @@ class Engine:
 
     def _draft(self, states: list[_Active], sampling: SamplingParams) -> tuple[DraftBlock, Tensor]:
         r = len(states)
+        self._raw_confidence = None
         if self.drafter is None:
             empty = DraftBlock(tokens=torch.zeros(r, 0, dtype=torch.long), lengths=torch.zeros(r, dtype=torch.long))
             return empty, empty.lengths
@@ -362,12 +369,29 @@ class Engine:
             block_lengths = torch.minimum(block.lengths.to(torch.long), cache_room.clamp_min(0))
         if block.tokens.shape[1] == 0:
             return block, block_lengths
-        confidence = self.confidence.estimate(block)
-        confidence = self.calibrator.apply(confidence)
+        raw = self._raw_confidence = self.confidence.estimate(block)
+        confidence = self.calibrator.apply(raw)
         clock = self._lap("confidence", clock)
         lengths = self.scheduler.schedule(confidence, block_lengths)
         self._lap("scheduler", clock)
         return block, torch.minimum(lengths.to(torch.long), block_lengths)
+
+    def _observe(self, states: list[_Active], keep: list[int], block: DraftBlock, lengths: Tensor, accepted: Tensor,
+                 sampling: SamplingParams) -> None:
+        """Tell the calibrator (``observe``) and the round observers what the verified round showed."""
+        observe = getattr(self.calibrator, "observe", None)
+        if not callable(observe) and not self.round_observers:
+            return
+        index = torch.tensor(keep, dtype=torch.long)
+        available = block.lengths.to(torch.long).clamp(max=self._raw_confidence.shape[1])[index]
+        outcome = RoundOutcome(request_ids=[states[r].request_id for r in keep],
+                               confidence=self._raw_confidence[index].detach(), available=available,
+                               verified=lengths[index].to(torch.long), accepted=accepted.to(torch.long),
+                               temperature=sampling.temperature[index])
+        if callable(observe):
+            observe(outcome)
+        for observer in self.round_observers:
+            observer(outcome)
 
     def _pending_features(self, states: list[_Active]) -> TargetFeatures:
         """Hand over (and forget) what each request committed since its previous draft."""
