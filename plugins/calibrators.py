@@ -1,12 +1,13 @@
-"""Shipped calibrators: ``identity`` and ``sts``, Sequential Temperature Scaling (paper §3.2.1;
-docs/design/calibration-scheduling.md).
+"""Shipped calibrators: ``identity``, ``sts``, Sequential Temperature Scaling (paper §3.2.1), and
+``online-sts``, which keeps re-fitting STS while serving (docs/design/calibration-scheduling.md).
 
 A calibrator's file is a safetensors file (never a pickle: loading it cannot run code) whose
 metadata header names the calibrator that wrote it, so a file from another calibrator — or from
 something else entirely — is refused with an error naming the file instead of being misread.
 
 Header keys: ``specforge.calibrator`` (the registered name), ``specforge.format`` (``"1"``).
-``sts`` stores one tensor, ``temperatures`` (float64 ``[G]``); ``identity`` stores none.
+``sts`` and ``online-sts`` store one tensor, ``temperatures`` (float64 ``[G]``); ``identity``
+stores none.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ __all__ = [
     "CalibratorFileError",
     "IdentityCalibrator",
     "IdentityConfig",
+    "OnlineSTS",
+    "OnlineSTSConfig",
     "STSConfig",
     "SequentialTemperatureScaling",
 ]
@@ -74,6 +77,18 @@ def _read(path: str | Path, name: str) -> dict[str, Tensor]:
     if meta.get(_FORMAT_KEY) != FORMAT:
         raise CalibratorFileError(f"{path} has format {meta.get(_FORMAT_KEY)!r}; expected {FORMAT!r}")
     return tensors
+
+
+def _temperatures(path: str | Path, tensors: dict[str, Tensor]) -> Tensor:
+    """The one tensor of a temperature file, checked: non-empty, 1-D, finite and positive."""
+    t = tensors.get("temperatures")
+    if t is None or set(tensors) != {"temperatures"}:
+        raise CalibratorFileError(f"{path}: expected exactly one tensor 'temperatures', found {sorted(tensors)}")
+    if t.dim() != 1 or t.numel() == 0:
+        raise CalibratorFileError(f"{path}: 'temperatures' must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
+    if not t.is_floating_point() or not (torch.isfinite(t) & (t > 0)).all():
+        raise CalibratorFileError(f"{path}: temperatures must be finite and positive")
+    return t.to(torch.float64)
 
 
 def _logit(c: Tensor) -> Tensor:
@@ -216,15 +231,107 @@ class SequentialTemperatureScaling:
         _write(path, self.name, {"temperatures": self.temperatures})
 
     def load(self, path: str) -> None:
-        tensors = _read(path, self.name)
-        t = tensors.get("temperatures")
-        if t is None or set(tensors) != {"temperatures"}:
-            raise CalibratorFileError(f"{path}: expected exactly one tensor 'temperatures', found {sorted(tensors)}")
-        if t.dim() != 1 or t.numel() == 0:
-            raise CalibratorFileError(f"{path}: 'temperatures' must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
-        if not t.is_floating_point() or not (torch.isfinite(t) & (t > 0)).all():
-            raise CalibratorFileError(f"{path}: temperatures must be finite and positive")
-        self.temperatures = t.to(torch.float64)
+        self.temperatures = _temperatures(path, _read(path, self.name))
+
+
+# --- online recalibration ---------------------------------------------------------------------
+
+
+class OnlineSTSConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    window: int = Field(2048, ge=8, description="most recent rounds kept (bounded memory; older ones are forgotten)")
+    refit_every: int = Field(64, ge=1, description="rounds observed between refits")
+    min_rounds: int = Field(128, ge=1, description="rounds observed before the first fit (identity until then)")
+    width: int = Field(16, ge=1, description="positions kept per round (longer blocks reuse the last temperature)")
+    t_min: float = Field(0.05, gt=0, description="smallest temperature on the grid")
+    t_max: float = Field(20.0, gt=0, description="largest temperature on the grid")
+    grid_size: int = Field(401, ge=2, description="log-spaced grid points (t = 1 is always added)")
+    bins: int = Field(20, ge=1, description="ECE bins")
+    path: str | None = Field(None, description="start from temperatures fitted offline (an sts or online-sts file)")
+
+
+class OnlineSTS:
+    """STS re-fitted while serving, from the outcomes of rounds already verified.
+
+    The engine hands every verified chain round to :meth:`observe` *after* the round, so what
+    the calibrator learns reaches only later rounds: a round's verify lengths depend on its own
+    confidences and on the past, never on its own outcome (docs/design/verification.md#causality).
+    The last ``window`` rounds are kept in a ring buffer (fixed memory); every ``refit_every``
+    rounds, once ``min_rounds`` have been seen, the temperatures are fitted on the buffer
+    exactly as ``sts`` fits them offline — so old evidence leaves the fit as new rounds arrive,
+    and the calibrator follows a shift in the prompt mix within about one window.  Until the
+    first fit it is the identity (or the temperatures of ``path``).  :meth:`state` reports what
+    it holds.
+    """
+
+    name = "online-sts"
+
+    def __init__(self, config: OnlineSTSConfig | None = None) -> None:
+        self.config = c = config or OnlineSTSConfig()
+        self._sts = SequentialTemperatureScaling(STSConfig(t_min=c.t_min, t_max=c.t_max, grid_size=c.grid_size,
+                                                           bins=c.bins))
+        self._conf = torch.full((c.window, c.width), 0.5, dtype=torch.float64)
+        self._verified = torch.zeros(c.window, dtype=torch.long)
+        self._accepted = torch.zeros(c.window, dtype=torch.long)
+        self.seen = 0  # rounds observed (requests that drafted, one row each)
+        self.fits = 0
+        self._since_fit = 0
+        if c.path is not None:
+            self.load(c.path)
+
+    def observe(self, outcome: Any) -> None:
+        """Keep the rows of a verified round (:class:`~specforge.components.RoundOutcome`) and
+        re-fit when due."""
+        drafted = outcome.available > 0
+        if not bool(drafted.any()):
+            return
+        w, width = self.config.window, self.config.width
+        conf = outcome.confidence[drafted].to(torch.float64)[-w:, :width]  # a round wider than the ring: its last rows
+        n = conf.shape[0]
+        slots = (self.seen + torch.arange(n)) % w
+        self._conf[slots] = 0.5
+        self._conf[slots, : conf.shape[1]] = conf
+        self._verified[slots] = outcome.verified[drafted][-w:].clamp(max=conf.shape[1])
+        self._accepted[slots] = torch.minimum(outcome.accepted[drafted][-w:], self._verified[slots])
+        self.seen += n
+        self._since_fit += n
+        if self.seen >= self.config.min_rounds and self._since_fit >= self.config.refit_every:
+            self._refit()
+
+    def _refit(self) -> None:
+        kept = min(self.seen, self.config.window)
+        data = CalibrationData(self._conf[:kept], self._accepted[:kept], self._verified[:kept])
+        self._sts.fit(data)
+        self.fits += 1
+        self._since_fit = 0
+
+    def fit(self, data: CalibrationData) -> dict[str, Any]:
+        """An offline fit (a warm start); serving then keeps refining it."""
+        report = self._sts.fit(data)
+        return {**report, "calibrator": self.name}
+
+    def apply(self, confidence: Tensor) -> Tensor:
+        return confidence if self._sts.temperatures is None else self._sts.apply(confidence)
+
+    def state(self) -> dict[str, Any]:
+        """What the calibrator holds: rounds seen and kept, fits so far, current temperatures."""
+        t = self._sts.temperatures
+        return {"rounds_seen": self.seen, "rounds_kept": min(self.seen, self.config.window), "fits": self.fits,
+                "temperatures": None if t is None else t.tolist()}
+
+    def save(self, path: str) -> None:
+        if self._sts.temperatures is None:
+            raise RuntimeError("online-sts has not fitted yet: nothing to save")
+        _write(path, self.name, {"temperatures": self._sts.temperatures})
+
+    def load(self, path: str) -> None:
+        """Temperatures written by ``online-sts`` or by an offline ``sts`` fit."""
+        try:
+            self._sts.load(path)
+        except CalibratorFileError as exc:
+            if "was written by calibrator 'online-sts'" not in str(exc):
+                raise
+            self._sts.temperatures = _temperatures(path, _read(path, self.name))
 
 
 @hookimpl
@@ -234,3 +341,7 @@ def specforge_register_calibrators(register):
     register("sts", SequentialTemperatureScaling, config=STSConfig, trainable=True,
              examples=({"temperatures": [2.0, 0.5, 1.5]}, {"temperatures": [0.3]}),
              description="sequential temperature scaling of the cumulative product (DSpark §3.2.1)")
+    register("online-sts", OnlineSTS, config=OnlineSTSConfig, trainable=False,
+             examples=({"window": 256, "refit_every": 16, "min_rounds": 32, "width": 4, "grid_size": 41},),
+             description="STS re-fitted while serving from the outcomes of rounds already verified "
+                         "(a window of recent rounds; identity until the first fit)")

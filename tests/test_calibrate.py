@@ -56,3 +56,37 @@ def test_calibrate_fits_on_half_the_prompts_and_scores_the_other_half(tmp_path):
                              "calibrator.name=sts", f"calibrator.path={out / 'calibrator-T1.safetensors'}",
                              "sampling.max_new_tokens=4"], capture_output=True, text=True)
     assert served.returncode == 0, served.stderr[-3000:]
+
+
+def test_the_engine_tells_an_online_calibrator_each_verified_round_after_it():
+    """observe() sees every request's round once it is verified, and only then: the calibrated
+    confidences a round is scheduled with come from the rounds before it."""
+    from specforge.config import EngineConfig, SamplingConfig
+    from specforge.engine import Engine, GenerationRequest
+    from specforge.plugins import PluginHost
+    from specforge.target import TargetModel
+    from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from tiny_models import tiny_model
+
+    host = PluginHost().load()
+    target = TargetModel(tiny_model("llama", seed=7, vocab=96, eos=None), None, torch.float32)
+    calibrator = host.create_calibrator("online-sts", {"window": 64, "refit_every": 4, "min_rounds": 4, "width": 3,
+                                                       "grid_size": 21})
+    events = []
+    observe, apply = calibrator.observe, calibrator.apply
+    calibrator.observe = lambda outcome: (events.append(("observe", outcome.request_ids)), observe(outcome))[1]
+    calibrator.apply = lambda c: (events.append(("apply", c.shape[0])), apply(c))[1]
+    engine = Engine(target, host.create_verifier("rejection"), drafter=Eagle3Drafter(Eagle3Config(gamma=3, seed=1)),
+                    correction_head=host.create_correction_head("none", {}),
+                    confidence=host.create_confidence("entropy", {}), calibrator=calibrator,
+                    scheduler=host.create_scheduler("threshold", {"theta": 0.01}),
+                    sampling=SamplingConfig(temperature=1.0, max_new_tokens=12),
+                    engine=EngineConfig(max_batch=2, max_context=96))
+    outs = engine.generate([GenerationRequest(prompt_ids=[5, 6, 7], max_new_tokens=12, seed=i) for i in range(3)])
+    assert all(o.error is None for o in outs)
+    kinds = [k for k, _ in events]
+    # each round: apply (scheduling), then observe (after verification) — never the other way round
+    assert kinds[:2] == ["apply", "observe"] and all(a != b for a, b in zip(kinds, kinds[1:]))
+    drafted = sum(o.stats.rounds for o in outs)
+    state = calibrator.state()
+    assert 0 < state["rounds_seen"] <= drafted and state["fits"] >= 1

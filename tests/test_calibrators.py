@@ -12,9 +12,12 @@ from specforge.components import CalibrationData, Calibrator
 from specforge.metrics import calibration_report
 from specforge.plots import reliability_diagram
 from specforge.plugins import PluginHost
+from specforge.components import RoundOutcome
 from specforge_plugins.calibrators import (
     CalibratorFileError,
     IdentityCalibrator,
+    OnlineSTS,
+    OnlineSTSConfig,
     SequentialTemperatureScaling,
     STSConfig,
 )
@@ -256,3 +259,65 @@ def test_reliability_diagram_writes_png(halves, fitted, comparisons, tmp_path):
         assert data.startswith(PNG) and len(data) > 5000
     with pytest.raises(TypeError):
         reliability_diagram({"nope": 1}, tmp_path / "x.png")
+
+
+def _feed(cal: OnlineSTS, raw: torch.Tensor, accepted: torch.Tensor, batch: int = 8) -> None:
+    """Rounds as the engine reports them: ``batch`` requests per verified round, whole blocks verified."""
+    for lo in range(0, raw.shape[0], batch):
+        c, a = raw[lo:lo + batch], accepted[lo:lo + batch]
+        n = c.shape[0]
+        cal.observe(RoundOutcome(list(range(n)), c, torch.full((n,), G), torch.full((n,), G), a, torch.ones(n)))
+
+
+def test_online_sts_is_the_identity_until_it_has_seen_enough_rounds_then_matches_an_offline_fit():
+    _, accepted, raw = rounds(3000, seed=7)
+    cal = OnlineSTS(OnlineSTSConfig(window=2048, refit_every=64, min_rounds=512, width=G))
+    _feed(cal, raw[:504], accepted[:504])
+    assert cal.state()["fits"] == 0 and torch.equal(cal.apply(raw[:3]), raw[:3])
+    _feed(cal, raw[504:3000], accepted[504:3000])
+    state = cal.state()
+    assert state["rounds_seen"] == 3000 and state["rounds_kept"] == 2048 and state["fits"] >= 30
+    # The last fit saw exactly the last rounds of the window: the offline fit on them agrees.
+    last = state["fits"] and (3000 - (3000 - 512) % 64)  # rounds seen at the last refit
+    offline = SequentialTemperatureScaling()
+    offline.fit(CalibrationData(raw[last - 2048:last], accepted[last - 2048:last]))
+    assert state["temperatures"] == pytest.approx(offline.temperatures.tolist())
+    _, held_acc, held_raw = rounds(4000, seed=8)
+    held = CalibrationData(held_raw, held_acc)
+    before, after = calibration_report(held), calibration_report(held, cal.apply(held_raw))
+    for b, a in zip(before["positions"], after["positions"]):  # down to the noise floor, as offline
+        assert a["ece"] < 0.04 and a["ece"] < b["ece"] / 3
+
+
+def test_online_sts_forgets_old_rounds_and_recovers_after_a_shift():
+    """After a shift in the prompt mix (the same true survival now comes with scores three times as
+    over-confident), a window later the online temperatures are an offline fit's on the new mix."""
+    _, acc_a, raw_a = rounds(2000, seed=9)
+    s_b, acc_b, _ = rounds(1200, seed=10)
+    raw_b = torch.sigmoid(3 * OVERCONFIDENCE * torch.logit(s_b))
+    cal = OnlineSTS(OnlineSTSConfig(window=1024, refit_every=32, min_rounds=256, width=G))
+    _feed(cal, raw_a, acc_a)
+    before_shift = list(cal.state()["temperatures"])
+    _feed(cal, raw_b, acc_b)  # more than a window after the shift
+    s_t, acc_t, _ = rounds(4000, seed=11)
+    held = CalibrationData(torch.sigmoid(3 * OVERCONFIDENCE * torch.logit(s_t)), acc_t)
+    stale = calibration_report(held, SequentialTemperatureScaling(STSConfig(temperatures=before_shift)).apply(
+        held.confidence))
+    now = calibration_report(held, cal.apply(held.confidence))
+    assert now["overall"]["ece"] < 0.03 and stale["overall"]["ece"] > 3 * now["overall"]["ece"]
+    assert min(cal.state()["temperatures"]) > max(before_shift)
+
+
+def test_online_sts_saves_its_temperatures_and_warm_starts_from_an_offline_fit(tmp_path, fitted):
+    sts, _ = fitted
+    sts.save(str(tmp_path / "sts.safetensors"))
+    warm = OnlineSTS(OnlineSTSConfig(path=str(tmp_path / "sts.safetensors")))
+    x = torch.rand(4, G, dtype=torch.float64)
+    torch.testing.assert_close(warm.apply(x), sts.apply(x))
+    warm.save(str(tmp_path / "online.safetensors"))
+    again = OnlineSTS(OnlineSTSConfig(path=str(tmp_path / "online.safetensors")))
+    torch.testing.assert_close(again.apply(x), sts.apply(x))
+    with pytest.raises(RuntimeError, match="has not fitted yet"):
+        OnlineSTS().save(str(tmp_path / "none.safetensors"))
+    with pytest.raises(CalibratorFileError, match="written by calibrator 'online-sts', not 'sts'"):
+        SequentialTemperatureScaling(STSConfig(path=str(tmp_path / "online.safetensors")))
