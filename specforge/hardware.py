@@ -13,7 +13,8 @@ On disk a profile is one JSON object (``specforge profile`` writes it)::
       "format": "specforge.hardware_profile",
       "version": 1,
       "device": "cpu: 2 cores",                 # free text: where it was measured
-      "target": "SmolLM2-135M-Instruct",        # free text: which target model
+      "target": "SmolLM2-135M-Instruct",        # which target model (checked against the served one)
+      "dtype": "bfloat16",                      # the dtype it ran in (checked too; optional)
       "points": [[1, 18.2], [2, 18.0], [4, 17.1], [8, 15.9]]   # [B, SPS(B)], B ≥ 1 integer
     }
 
@@ -38,7 +39,8 @@ __all__ = ["FORMAT", "VERSION", "HardwareProfile", "HardwareProfileError"]
 
 FORMAT = "specforge.hardware_profile"
 VERSION = 1
-_KEYS = {"format", "version", "device", "target", "points"}
+_KEYS = {"format", "version", "device", "target", "dtype", "points"}
+UNKNOWN = "unknown"  # a profile that does not say (inline points, an older file): not checked
 
 
 class HardwareProfileError(SpecforgeError, ValueError):
@@ -52,15 +54,17 @@ class HardwareProfile:
         points: ``{B: sps}``, or a sequence of sps values where index 0 is B = 1.  Every B is a
             positive integer and every sps a positive finite number.
         device: where the points were measured (free text, kept in the JSON file).
-        target: which target model they were measured for (free text).
+        target: which target model they were measured for (its name as the runtime reports it).
+        dtype: the dtype the target ran in (``bfloat16``, ``float32``…).
     """
 
     def __init__(
         self,
         points: Mapping[int, float] | Sequence[float],
         *,
-        device: str = "unknown",
-        target: str = "unknown",
+        device: str = UNKNOWN,
+        target: str = UNKNOWN,
+        dtype: str = UNKNOWN,
     ) -> None:
         if isinstance(points, Mapping):
             pairs = list(points.items())
@@ -70,9 +74,9 @@ class HardwareProfile:
             )
         else:
             pairs = [(i + 1, v) for i, v in enumerate(points)]
-        self._set(pairs, device, target)
+        self._set(pairs, device, target, dtype)
 
-    def _set(self, pairs: Sequence[tuple[Any, Any]], device: str, target: str) -> None:
+    def _set(self, pairs: Sequence[tuple[Any, Any]], device: str, target: str, dtype: str = UNKNOWN) -> None:
         if not pairs:
             raise HardwareProfileError("a hardware profile needs at least one SPS point")
         clean: dict[int, float] = {}
@@ -87,6 +91,7 @@ class HardwareProfile:
         ordered = sorted(clean.items())
         self.device = str(device)
         self.target = str(target)
+        self.dtype = str(dtype)
         self.batch = torch.tensor([b for b, _ in ordered], dtype=torch.float64)
         self.values = torch.tensor([v for _, v in ordered], dtype=torch.float64)
 
@@ -120,12 +125,14 @@ class HardwareProfile:
         return [(int(b), float(v)) for b, v in zip(self.batch.tolist(), self.values.tolist())]
 
     def __repr__(self) -> str:
-        return f"HardwareProfile({dict(self.points())!r}, device={self.device!r}, target={self.target!r})"
+        return (f"HardwareProfile({dict(self.points())!r}, device={self.device!r}, target={self.target!r}, "
+                f"dtype={self.dtype!r})")
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, HardwareProfile):
             return NotImplemented
-        return (self.points(), self.device, self.target) == (other.points(), other.device, other.target)
+        return (self.points(), self.device, self.target, self.dtype) == (other.points(), other.device, other.target,
+                                                                          other.dtype)
 
     # -- JSON --------------------------------------------------------------------------------
 
@@ -135,6 +142,7 @@ class HardwareProfile:
             "version": VERSION,
             "device": self.device,
             "target": self.target,
+            "dtype": self.dtype,
             "points": [[b, v] for b, v in self.points()],
         }
 
@@ -157,15 +165,25 @@ class HardwareProfile:
         raw = data["points"]
         if not isinstance(raw, list) or not all(isinstance(p, list) and len(p) == 2 for p in raw):
             raise HardwareProfileError(f'"points" must be a list of [B, sps] pairs, got {raw!r}')
-        for key in ("device", "target"):
+        for key in ("device", "target", "dtype"):
             if not isinstance(data.get(key, ""), str):
                 raise HardwareProfileError(f'"{key}" must be a string, got {data[key]!r}')
         # Through _set rather than a dict so that a batch size listed twice is reported.
         profile = cls.__new__(cls)
         profile._set(
-            [(b, v) for b, v in raw], data.get("device", "unknown"), data.get("target", "unknown")
-        )
+            [(b, v) for b, v in raw], data.get("device", UNKNOWN), data.get("target", UNKNOWN),
+            data.get("dtype", UNKNOWN))
         return profile
+
+    def check_fits(self, target_name: str, dtype: str, source: str = "the hardware profile") -> None:
+        """Refuse a step curve measured for another target or dtype (one :class:`HardwareProfileError`
+        naming both); a profile that does not say (``unknown``) is accepted."""
+        wrong = [f"{what} {mine!r} (this pipeline serves {theirs!r})"
+                 for what, mine, theirs in (("target", self.target, target_name), ("dtype", self.dtype, dtype))
+                 if mine != UNKNOWN and mine != theirs]
+        if wrong:
+            raise HardwareProfileError(f"{source} was measured for {' and '.join(wrong)}; measure this one with "
+                                       f"`specforge profile --model {target_name} --dtype {dtype}` or use profile: auto")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from specforge.hardware import HardwareProfile
+from specforge.target.adapter import dtype_name
 from specforge.target import TargetModel
 from specforge.target.batch import VarlenBatch
 
@@ -141,7 +142,7 @@ def measure_sps(
                 "median_s": round(m, 9), "sps_measured": round(1.0 / m, 3), "sps": round(f, 3),
                 "tokens_per_s": round(b * f, 1)}
                for (b, r, _, _), m, f in zip(passes, medians, fitted)]
-    profile = HardwareProfile(points, device=_device_label(), target=target.name)
+    profile = HardwareProfile(points, device=_device_label(), target=target.name, dtype=dtype_name(target.dtype))
     return profile, records
 
 

@@ -80,7 +80,8 @@ def test_bad_points_are_rejected(points, message):
 
 
 def test_json_round_trip(tmp_path):
-    prof = HardwareProfile({1: 18.25, 2: 18.0, 4: 17.125, 16: 9.5}, device="cpu: 2 cores", target="tiny")
+    prof = HardwareProfile({1: 18.25, 2: 18.0, 4: 17.125, 16: 9.5}, device="cpu: 2 cores", target="tiny",
+                           dtype="bfloat16")
     path = tmp_path / "sps.json"
     prof.save(path)
     data = json.loads(path.read_text())
@@ -89,6 +90,7 @@ def test_json_round_trip(tmp_path):
         "version": VERSION,
         "device": "cpu: 2 cores",
         "target": "tiny",
+        "dtype": "bfloat16",
         "points": [[1, 18.25], [2, 18.0], [4, 17.125], [16, 9.5]],
     }
     again = HardwareProfile.load(path)

@@ -181,6 +181,27 @@ def test_profile_file_is_equivalent_to_inline_sps(host, tmp_path):
     assert from_file.profile.points() == inline.profile.points()
 
 
+def test_a_profile_measured_for_another_target_or_dtype_is_refused_at_bind(host, tmp_path):
+    from specforge.hardware import HardwareProfileError
+    from specforge.target import TargetModel
+    from tiny_models import tiny_model
+
+    target = TargetModel(tiny_model("llama", seed=7, vocab=64, eos=None), None, torch.float32)
+    for name, measured, problem in ((target.name, "bfloat16", "dtype 'bfloat16' (this pipeline serves 'float32')"),
+                                    ("SmolLM2-135M", "float32", "target 'SmolLM2-135M' (this pipeline serves")):
+        path = tmp_path / f"{measured}.json"
+        HardwareProfile(APPENDIX_SPS, device="test", target=name, dtype=measured).save(path)
+        assert HardwareProfile.load(path).dtype == measured
+        scheduler = host.create_scheduler("async-topk", {"profile": str(path)})
+        with pytest.raises(HardwareProfileError, match=r"profile .* was measured for " + problem.replace("(", r"\(")
+                           .replace(")", r"\)")):
+            scheduler.bind(target)
+    # a profile that does not say what it was measured for (older files, inline points) is taken as is
+    plain = tmp_path / "plain.json"
+    HardwareProfile(APPENDIX_SPS, device="test").save(plain)
+    host.create_scheduler("hw-prefix", {"profile": str(plain)}).bind(target)
+
+
 def test_missing_profile_file_names_it(host, tmp_path):
     with pytest.raises(FileNotFoundError, match="absent.json"):
         host.create_scheduler("hw-prefix", {"profile": str(tmp_path / "absent.json")})

@@ -49,10 +49,14 @@ class _HardwareAware:
     profile: HardwareProfile | None
 
     def bind(self, target: Any) -> None:
+        from specforge.target.adapter import dtype_name
+
         if self.profile is None:
             from specforge.profiling import machine_profile
 
             self.profile = machine_profile(target)
+        elif isinstance(self.config.profile, Path):  # a file: measured for this target and dtype?
+            self.profile.check_fits(str(target.name), dtype_name(target.dtype), source=f"profile {self.config.profile}")
 
     def _curve(self) -> HardwareProfile:
         if self.profile is None:

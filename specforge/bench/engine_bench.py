@@ -26,6 +26,7 @@ from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.hardware import HardwareProfile
+from specforge.target.adapter import dtype_name
 from specforge.plugins import get_host
 from specforge.profiling import DEFAULT_BATCHES, measure_sps
 from specforge.target import TargetModel
@@ -104,7 +105,7 @@ def bench_engine_variant(
         counts.append([len(o.token_ids) for o in outs])
         ptoks += sum(len(prompt_ids[i]) for i in indices)
         stats.extend(o.stats for o in outs)
-    record = {"system": system, "variant": variant, "dtype": str(target.dtype).replace("torch.", ""),
+    record = {"system": system, "variant": variant, "dtype": dtype_name(target.dtype),
               "concurrency": concurrency, "status": "ok", "reason": None}
     record.update(summarize(times, counts, ptoks))
     pooled = AcceptanceCounts.pooled(stats)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from specforge.errors import SpecforgeError
+from specforge.target.adapter import dtype_name
 
 __all__ = [
     "FORMAT_VERSION",
@@ -71,10 +72,6 @@ class CacheMismatchError(FeatureCacheError):
 
 class LayerRangeError(FeatureCacheError):
     """Tapped layer ids outside the target's depth."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:

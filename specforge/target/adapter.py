@@ -15,9 +15,14 @@ from specforge.target.loading import load_hf, resolve_model
 from specforge.target.model import ForwardOutput, Transformer
 from specforge.target.quantized import NativeWeightsError, require_bfloat16, use_native_weights
 
-__all__ = ["TargetModel"]
+__all__ = ["DTYPES", "TargetModel", "dtype_name"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``: the name configs, manifests and profiles use."""
+    return str(dtype).removeprefix("torch.")
 
 
 class TargetModel:
