@@ -5,13 +5,17 @@ A calibrator's file is a safetensors file (never a pickle: loading it cannot run
 metadata header names the calibrator that wrote it, so a file from another calibrator — or from
 something else entirely — is refused with an error naming the file instead of being misread.
 
-Header keys: ``specforge.calibrator`` (the registered name), ``specforge.format`` (``"1"``).
+Header keys: ``specforge.calibrator`` (the registered name), ``specforge.format`` (``"1"``), and
+for a file written by ``specforge calibrate`` ``specforge.fitted_for`` (JSON: the drafter, its
+checkpoint and γ the rounds came from, and their temperature), which the engine checks against the
+pipeline it serves.
 ``sts`` and ``online-sts`` store one tensor, ``temperatures`` (float64 ``[G]``); ``identity``
 stores none.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,7 @@ __all__ = [
 FORMAT = "1"
 _NAME_KEY = "specforge.calibrator"
 _FORMAT_KEY = "specforge.format"
+_FITTED_KEY = "specforge.fitted_for"
 # Raw confidences are clamped into [EPS, 1 - EPS] before taking the logit so that a head that
 # outputs exactly 0 or 1 gives a finite logit; the clamp is the only place order can be lost.
 EPS = 1e-6
@@ -52,11 +57,23 @@ class CalibratorFileError(SpecforgeError, ValueError):
     """A calibrator file that cannot be loaded (wrong calibrator, bad shapes, not safetensors)."""
 
 
-def _write(path: str | Path, name: str, tensors: dict[str, Tensor]) -> None:
+def _write(path: str | Path, name: str, tensors: dict[str, Tensor], fitted_for: dict[str, Any] | None = None) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+    meta = {_NAME_KEY: name, _FORMAT_KEY: FORMAT}
+    if fitted_for is not None:
+        meta[_FITTED_KEY] = json.dumps(fitted_for, sort_keys=True)
     with replace_atomically(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={_NAME_KEY: name, _FORMAT_KEY: FORMAT})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+
+
+def _fitted_for(path: str | Path) -> dict[str, Any] | None:
+    """What a calibrator file says it was fitted for (None: it does not say)."""
+    with safe_open(str(path), framework="pt") as f:
+        raw = (f.metadata() or {}).get(_FITTED_KEY)
+    try:
+        return None if raw is None else dict(json.loads(raw))
+    except (ValueError, TypeError):
+        raise CalibratorFileError(f"{path}: its {_FITTED_KEY!r} header is not a JSON object") from None
 
 
 def _read(path: str | Path, name: str) -> dict[str, Tensor]:
@@ -167,6 +184,9 @@ class SequentialTemperatureScaling:
     def __init__(self, config: STSConfig | None = None) -> None:
         self.config = config or STSConfig()
         self.temperatures: Tensor | None = None
+        # The drafter, checkpoint, γ and temperature of the rounds it was fitted on, when known
+        # (``specforge calibrate`` sets it; the engine refuses a mismatch with its pipeline).
+        self.fitted_for: dict[str, Any] | None = None
         if self.config.path is not None:
             self.load(self.config.path)
         elif self.config.temperatures is not None:
@@ -228,10 +248,11 @@ class SequentialTemperatureScaling:
     def save(self, path: str) -> None:
         if self.temperatures is None:
             raise RuntimeError("sts calibrator is not fitted: nothing to save")
-        _write(path, self.name, {"temperatures": self.temperatures})
+        _write(path, self.name, {"temperatures": self.temperatures}, self.fitted_for)
 
     def load(self, path: str) -> None:
         self.temperatures = _temperatures(path, _read(path, self.name))
+        self.fitted_for = _fitted_for(path)
 
 
 # --- online recalibration ---------------------------------------------------------------------
@@ -313,6 +334,15 @@ class OnlineSTS:
     def apply(self, confidence: Tensor) -> Tensor:
         return confidence if self._sts.temperatures is None else self._sts.apply(confidence)
 
+    @property
+    def fitted_for(self) -> dict[str, Any] | None:
+        """What its warm start was fitted for (checked by the engine like an ``sts`` file's)."""
+        return self._sts.fitted_for
+
+    @fitted_for.setter
+    def fitted_for(self, value: dict[str, Any] | None) -> None:
+        self._sts.fitted_for = value
+
     def state(self) -> dict[str, Any]:
         """What the calibrator holds: rounds seen and kept, fits so far, current temperatures."""
         t = self._sts.temperatures
@@ -322,7 +352,7 @@ class OnlineSTS:
     def save(self, path: str) -> None:
         if self._sts.temperatures is None:
             raise RuntimeError("online-sts has not fitted yet: nothing to save")
-        _write(path, self.name, {"temperatures": self._sts.temperatures})
+        _write(path, self.name, {"temperatures": self._sts.temperatures}, self._sts.fitted_for)
 
     def load(self, path: str) -> None:
         """Temperatures written by ``online-sts`` or by an offline ``sts`` fit."""
@@ -332,6 +362,7 @@ class OnlineSTS:
             if "was written by calibrator 'online-sts'" not in str(exc):
                 raise
             self._sts.temperatures = _temperatures(path, _read(path, self.name))
+            self._sts.fitted_for = _fitted_for(path)
 
 
 @hookimpl

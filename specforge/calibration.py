@@ -96,6 +96,7 @@ def calibrate(pipeline: Any, settings: CalibrateSettings, out_dir: str | Path, t
 
     from specforge.config import load_pipeline
     from specforge.engine import Engine, GenerationRequest
+    from specforge.engine.engine import drafter_identity
     from specforge.evalsets import apply_chat_template
     from specforge.plots import reliability_diagram
     from specforge.plugins import get_host
@@ -131,6 +132,8 @@ def calibrate(pipeline: Any, settings: CalibrateSettings, out_dir: str | Path, t
         held = recorder.data(lambda rid: order[rid] % 2 == 1)
         calibrator = host.create_calibrator(settings.calibrator, dict(settings.extra))
         fit_report = calibrator.fit(fit)
+        if hasattr(calibrator, "fitted_for"):  # the engine refuses it for another drafter or γ
+            calibrator.fitted_for = {**drafter_identity(recording, engine.drafter), "temperature": t}
         from specforge.metrics import calibration_report
 
         before = calibration_report(held)

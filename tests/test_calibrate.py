@@ -56,6 +56,12 @@ def test_calibrate_fits_on_half_the_prompts_and_scores_the_other_half(tmp_path):
                              "calibrator.name=sts", f"calibrator.path={out / 'calibrator-T1.safetensors'}",
                              "sampling.max_new_tokens=4"], capture_output=True, text=True)
     assert served.returncode == 0, served.stderr[-3000:]
+    # ... for this drafter only: another γ (or checkpoint, or drafter) is one clear error
+    other = subprocess.run([sys.executable, "-m", "specforge", "generate", "--config", str(cfg), "--prompt", "w7 w8",
+                            "calibrator.name=sts", f"calibrator.path={out / 'calibrator-T1.safetensors'}",
+                            "drafter.gamma=2"], capture_output=True, text=True)
+    assert other.returncode == 2 and "fitted on the rounds of another drafter — gamma 3 (this pipeline: 2)" in \
+        other.stderr, other.stderr[-3000:]
 
 
 def test_the_engine_tells_an_online_calibrator_each_verified_round_after_it():

@@ -164,6 +164,8 @@ class Engine:
                                            pipeline.target.weights)
         parts = {kind: (spec.create() if spec is not None else None) for kind, spec in pipeline.components.items()}
         drafter = parts[ComponentKind.DRAFTER]
+        if drafter is not None:
+            _check_calibrator(parts[ComponentKind.CALIBRATOR], pipeline, drafter)
         return cls(
             target,
             parts[ComponentKind.VERIFIER],
@@ -515,6 +517,25 @@ def _stack_taps(taps: dict[int, Tensor], layers: tuple[int, ...]) -> Tensor:
 
 def _select(sampling: SamplingParams, rows: list[int]) -> SamplingParams:
     return SamplingParams(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows])
+
+
+def drafter_identity(pipeline: PipelineConfig, drafter: Any) -> dict[str, Any]:
+    """What identifies the drafter a calibrator's rounds came from: its name, checkpoint and γ."""
+    spec = pipeline.components[ComponentKind.DRAFTER]
+    return {"drafter": spec.name, "checkpoint": getattr(spec.params, "checkpoint", None),
+            "gamma": getattr(drafter, "gamma", None)}
+
+
+def _check_calibrator(calibrator: Any, pipeline: PipelineConfig, drafter: Any) -> None:
+    """A calibrator fitted on another drafter's rounds (``fitted_for``) is one clear error."""
+    fitted = getattr(calibrator, "fitted_for", None)
+    if not fitted:
+        return
+    mine = drafter_identity(pipeline, drafter)
+    wrong = [f"{k} {fitted.get(k)!r} (this pipeline: {v!r})" for k, v in mine.items() if k in fitted and fitted[k] != v]
+    if wrong:
+        raise ConfigError([f"calibrator: fitted on the rounds of another drafter — {', '.join(wrong)}; run "
+                           "`specforge calibrate` for this pipeline"])
 
 
 def _load_companion(slot: str, part: Any, weights: ComponentWeights) -> None:
