@@ -194,6 +194,18 @@ def cmd_bench_round(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench_serving(args: argparse.Namespace) -> int:
+    """Schedulers under load (:mod:`specforge.bench.serving`)."""
+    from specforge.bench.serving import run_serving_benchmark, save, table
+
+    result = run_serving_benchmark(args.arms, args.drafter or ["dspark"], args.concurrency, args.datasets,
+                                   args.prompts, args.sharegpt, args.max_new_tokens, args.eval_dir)
+    paths = save(result, args.out)
+    print(json.dumps(result, indent=2) if args.json else table(result))
+    print(f"wrote {', '.join(map(str, paths))}", file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit a calibrator on a pipeline's own rounds (:mod:`specforge.calibration`)."""
     from specforge.calibration import CalibrateSettings, calibrate, calibration_table
@@ -409,6 +421,31 @@ def _add_bench(sub) -> None:
     _add_bench_ab(bench_sub)
     _add_bench_round(bench_sub)
     _add_bench_drafters(bench_sub)
+    _add_bench_serving(bench_sub)
+
+
+def _add_bench_serving(bench_sub) -> None:
+    from specforge.bench.serving import DEFAULT_ARMS
+
+    sv = bench_sub.add_parser(
+        "serving",
+        help="schedulers under load: closed loop at each concurrency, every arm ÷ plain decoding in the same run",
+        description="Mixed math/code/chat prompts plus ShareGPT first turns, R requests in flight; arms: plain, "
+                    "fixed γ, a threshold θ sweep, hw-prefix and async-topk with the drafter pipeline, and ngram; "
+                    "aggregate and per-user tokens/s, TTFT and inter-token latency percentiles, the verify budget "
+                    "and waste.  Writes serving.json, frontier.png, verify-budget.png, theta-sweep.png.")
+    sv.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), metavar="ARM", help=f"of: {', '.join(DEFAULT_ARMS)}")
+    sv.add_argument("--drafter", action="append", metavar="PRESET|FILE",
+                    help="the drafter pipeline the speculative arms use (default: dspark, the shipped drafter)")
+    sv.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    sv.add_argument("--datasets", nargs="+", default=["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"])
+    sv.add_argument("--prompts", type=int, default=8, help="prompts per eval set")
+    sv.add_argument("--sharegpt", type=int, default=24, help="ShareGPT first turns added at their real lengths")
+    sv.add_argument("--max-new-tokens", type=int, default=64)
+    sv.add_argument("--eval-dir", default=None, metavar="DIR")
+    sv.add_argument("--out", default="runs/bench-serving")
+    sv.add_argument("--json", action="store_true")
+    sv.set_defaults(func=cmd_bench_serving)
 
 
 def _add_bench_drafters(bench_sub) -> None:

@@ -1,0 +1,230 @@
+"""``specforge bench serving``: schedulers under load, each arm against plain decoding in one run
+(docs/design/calibration-scheduling.md#under-load-specforge-bench-serving; paper §4.3.3, Figs. 5, 7, 8).
+
+A *closed loop* at concurrency R: R requests are in flight at every moment — the engine admits the
+next prompt as soon as one finishes (``max_batch = R``) — over a mixed set of prompts (math, code
+and chat from the eval sets, plus ShareGPT first turns at their real lengths).  For every R the
+arms run back to back (their order alternating from one R to the next), so a machine's drift hits
+them alike, and every arm is divided by plain decoding at the same R in the same run.
+
+Per arm and R: aggregate tokens/s, tokens/s per user (each request's own rate, averaged), time to
+first token and inter-token latency percentiles, τ, verified draft tokens per request per round
+(the verify budget) and the verify waste (verified but rejected ÷ verified).  Plots: the
+throughput–per-user frontier (Fig. 7), the verify budget against R (Fig. 8) and the θ sweep of
+the ``threshold`` arms (Fig. 5).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from specforge.bench.machine import machine
+from specforge.files import write_atomic
+
+__all__ = ["DEFAULT_ARMS", "arm_pipelines", "run_serving_benchmark", "save", "table"]
+
+# label -> (sources, whole sections replacing the sources'); "{drafter}" is the drafter pipeline
+# (default: the `dspark` preset, the shipped DSpark drafter with its confidence head).
+DEFAULT_ARMS: dict[str, tuple[list[str], dict[str, Any]]] = {
+    "plain": (["default"], {}),
+    "fixed-2": (["{drafter}"], {"scheduler": {"name": "fixed", "length": 2}}),
+    "fixed-4": (["{drafter}"], {"scheduler": {"name": "fixed", "length": 4}}),
+    "fixed-7": (["{drafter}"], {"scheduler": {"name": "fixed"}}),
+    "threshold-0.3": (["{drafter}"], {"scheduler": {"name": "threshold", "theta": 0.3}}),
+    "threshold-0.5": (["{drafter}"], {"scheduler": {"name": "threshold", "theta": 0.5}}),
+    "threshold-0.7": (["{drafter}"], {"scheduler": {"name": "threshold", "theta": 0.7}}),
+    "hw-prefix": (["{drafter}"], {"scheduler": {"name": "hw-prefix", "profile": "auto"}}),
+    "async-topk": (["{drafter}"], {"scheduler": {"name": "async-topk", "profile": "auto"}}),
+    "ngram-fixed": (["ngram"], {"scheduler": {"name": "fixed"}}),
+    "ngram-hw": (["ngram"], {"scheduler": {"name": "hw-prefix", "profile": "auto"},
+                             "confidence": {"name": "constant", "value": 0.4}}),
+}
+
+
+def arm_pipelines(arms: Sequence[str], drafter: Sequence[str] = ("dspark",),
+                  target: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The validated pipeline of each named arm (see :data:`DEFAULT_ARMS`); ``target`` replaces
+    every arm's target section (all arms share one loaded target)."""
+    from specforge.config import ConfigError, load_pipeline
+
+    unknown = [a for a in arms if a not in DEFAULT_ARMS]
+    if unknown:
+        raise ConfigError([f"--arms: unknown arm {unknown[0]!r}; valid arms: {', '.join(DEFAULT_ARMS)}"])
+    out = {}
+    for label in arms:
+        sources, sections = DEFAULT_ARMS[label]
+        srcs = [s for src in sources for s in (list(drafter) if src == "{drafter}" else [src])]
+        extra = dict(sections)
+        if target is not None:
+            extra["target"] = target
+        out[label] = load_pipeline(srcs, sections=extra)
+    return out
+
+
+def _prompts(target: Any, datasets: Sequence[str], per_set: int, sharegpt: int, eval_dir: str | None) -> list[list[int]]:
+    """Chat-templated prompt ids: ``per_set`` from each eval set, then ``sharegpt`` ShareGPT first
+    turns (their real lengths), interleaved so every stretch of the loop sees the mix."""
+    from specforge.evalsets import apply_chat_template, select_prompts
+
+    groups = [[apply_chat_template(target.tokenizer, p.text) for p in select_prompts(name, per_set, eval_dir)]
+              for name in datasets]
+    if sharegpt:
+        from specforge.data.sharegpt import load_sharegpt
+
+        conversations, _ = load_sharegpt(limit=sharegpt, progress=False)
+        groups.append([apply_chat_template(target.tokenizer, c.user_turns[0]) for c in conversations if c.user_turns])
+    mixed = []
+    for i in range(max((len(g) for g in groups), default=0)):
+        mixed.extend(g[i] for g in groups if i < len(g))
+    return mixed
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    if len(values) == 1:
+        return dict.fromkeys(("p50", "p90", "p99"), float(values[0]))
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": q[49], "p90": q[89], "p99": q[98]}
+
+
+def _requests(prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
+    """Greedy requests of exactly ``max_new_tokens`` tokens (EOS ignored: every arm writes as much)."""
+    from specforge.engine import GenerationRequest
+
+    return [GenerationRequest(prompt_ids=p, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, seed=i)
+            for i, p in enumerate(prompts)]
+
+
+def _measure(engine: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    """One closed-loop run: every prompt once, ``engine.config.max_batch`` in flight."""
+    from specforge.acceptance import AcceptanceCounts
+
+    t0 = time.perf_counter()
+    outs = engine.generate(_requests(prompts, max_new_tokens))
+    seconds = time.perf_counter() - t0
+    stats = [o.stats for o in outs]
+    pooled = AcceptanceCounts.pooled(stats)
+    tokens = sum(s.emitted for s in stats)
+    ttft = [s.first_token - s.started for s in stats if s.first_token is not None]
+    itl = [(s.finished - s.first_token) / (s.emitted - 1) for s in stats
+           if s.first_token is not None and s.finished is not None and s.emitted > 1]
+    return {
+        "requests": len(outs), "failed": sum(1 for o in outs if o.error), "new_tokens": tokens, "seconds": seconds,
+        "tok_s": tokens / seconds, "tok_s_per_user": statistics.fmean(s.tokens_per_second for s in stats),
+        "ttft_s": _percentiles(ttft), "itl_s": _percentiles(itl), "tau": pooled.tau, "rounds": pooled.rounds,
+        "verified_per_round": pooled.verified / pooled.rounds if pooled.rounds else 0.0,
+        "verify_waste": (pooled.verified - pooled.accepted) / pooled.verified if pooled.verified else 0.0,
+    }
+
+
+def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Sequence[str] = ("dspark",),
+                          concurrency: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+                          datasets: Sequence[str] = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench"),
+                          per_set: int = 8, sharegpt: int = 24, max_new_tokens: int = 64, eval_dir: str | None = None,
+                          requests_per_slot: int = 2, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every arm at every concurrency (see the module docstring); the JSON-ready result."""
+    from specforge.config import EngineConfig
+    from specforge.engine import Engine
+    from specforge.target import TargetModel
+
+    from specforge.config import load_pipeline
+
+    if "plain" not in arms:
+        arms = ["plain", *arms]  # the denominator of every ratio
+    # Every arm serves the drafter pipeline's target: one target, loaded once.
+    target_section = load_pipeline(list(drafter)).to_dict()["target"]
+    pipelines = arm_pipelines(arms, drafter, target_section)
+    first = pipelines["plain"]
+    target = TargetModel.load(first.target.model, first.target.dtype, first.target.compile, first.target.weights)
+    prompts = _prompts(target, datasets, per_set, sharegpt, eval_dir)
+    say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    records = []
+    for i, r in enumerate(concurrency):
+        # At least requests_per_slot requests per slot, so the loop spends most of its time full.
+        n = max(len(prompts), requests_per_slot * r)
+        batch = [prompts[j % len(prompts)] for j in range(n)]
+        context = max(len(p) for p in batch) + max_new_tokens + 16
+        order = list(arms) if i % 2 == 0 else list(reversed(arms))
+        for label in order:
+            p = pipelines[label]
+            engine = Engine.from_pipeline(replace(p, engine=EngineConfig(max_batch=r, max_context=context)), target)
+            engine.generate(_requests(batch[:1], 4))  # first-call allocations, untimed
+            rec = {"arm": label, "concurrency": r, **_measure(engine, batch, max_new_tokens)}
+            records.append(rec)
+            say(f"R={r:<3} {label:<14} {rec['tok_s']:7.1f} tok/s  τ {rec['tau']:.2f}  "
+                f"verified/round {rec['verified_per_round']:.2f}")
+    plain = {rec["concurrency"]: rec["tok_s"] for rec in records if rec["arm"] == "plain"}
+    for rec in records:
+        rec["vs_plain"] = rec["tok_s"] / plain[rec["concurrency"]]
+    return {"machine": machine(), "arms": {a: pipelines[a].to_dict() for a in arms}, "concurrency": list(concurrency),
+            "prompts": len(prompts), "max_new_tokens": max_new_tokens, "records": records}
+
+
+def table(result: dict[str, Any]) -> str:
+    """One row per arm, one column per R: tokens/s ÷ plain decoding at that R."""
+    from specforge.evaluation.report import fmt
+
+    arms = list(result["arms"])
+    cs = result["concurrency"]
+    by = {(r["arm"], r["concurrency"]): r for r in result["records"]}
+    lines = [f"{result['machine']['cpu']}: tokens/s ÷ plain decoding at the same concurrency (plain: tokens/s)",
+             "| arm | " + " | ".join(f"R={c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
+    for a in arms:
+        cells = [fmt(by[(a, c)]["tok_s"], ".1f") if a == "plain" else fmt(by[(a, c)]["vs_plain"]) for c in cs]
+        lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def save(result: dict[str, Any], out: str | Path) -> list[Path]:
+    """serving.json and three plots (frontier, verify budget, θ sweep) under ``out``."""
+    from specforge.plots import new_figure, save_figure
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "serving.json"]
+    write_atomic(paths[0], json.dumps(result, indent=2, allow_nan=True))
+    recs = result["records"]
+    arms = list(result["arms"])
+    cpu = result["machine"]["cpu"]
+    fig = new_figure(6.5, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    for a in arms:
+        rows = sorted((r for r in recs if r["arm"] == a), key=lambda r: r["concurrency"])
+        ax.plot([r["tok_s_per_user"] for r in rows], [r["tok_s"] for r in rows], marker="o", label=a)
+    ax.set(xlabel="tokens/s per user", ylabel="aggregate tokens/s", xscale="log", yscale="log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    paths.append(save_figure(fig, out / "frontier.png", title=f"throughput vs per-user speed ({cpu})"))
+    fig = new_figure(6.5, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    for a in arms:
+        if a == "plain":
+            continue
+        rows = sorted((r for r in recs if r["arm"] == a), key=lambda r: r["concurrency"])
+        ax.plot([r["concurrency"] for r in rows], [r["verified_per_round"] for r in rows], marker="o", label=a)
+    ax.set(xlabel="concurrency R", ylabel="verified draft tokens per request per round", xscale="log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    paths.append(save_figure(fig, out / "verify-budget.png", title="the verify budget under load"))
+    sweep = sorted({float(a.split("-", 1)[1]) for a in arms if a.startswith("threshold-")})
+    if sweep:
+        fig = new_figure(6.5, 4.5)
+        ax = fig.add_subplot(1, 1, 1)
+        for c in result["concurrency"]:
+            ys = [next(r["vs_plain"] for r in recs if r["arm"] == f"threshold-{t:g}" and r["concurrency"] == c)
+                  for t in sweep]
+            ax.plot(sweep, ys, marker="o", label=f"R={c}")
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+        ax.set(xlabel="θ", ylabel="tokens/s ÷ plain decoding")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        paths.append(save_figure(fig, out / "theta-sweep.png", title="threshold θ against load"))
+    return paths

@@ -1,0 +1,48 @@
+"""``specforge bench serving`` on a tiny target: every arm at every concurrency in one run, each
+divided by plain decoding at the same concurrency, with latency percentiles and the verify budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specforge.bench.serving import arm_pipelines
+from specforge.config import ConfigError
+from tiny_models import tiny_training_files
+
+
+def test_an_unknown_arm_is_named_with_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"unknown arm 'fast'; valid arms: plain, fixed-2"):
+        arm_pipelines(["fast"])
+
+
+def test_every_arm_at_every_concurrency_against_plain_in_one_run(tmp_path):
+    model, _, prompts = tiny_training_files(tmp_path, prompts=6)
+    drafter = tmp_path / "drafter.yaml"
+    drafter.write_text(f"target: {{model: '{model}', dtype: float32}}\n"
+                       "drafter: {name: dspark, gamma: 3, layers: 1, seed: 1}\ncorrection_head: {name: markov, rank: 8}\n"
+                       "confidence: {name: entropy}\nscheduler: {name: fixed}\n")
+    arms = ["fixed-2", "threshold-0.3", "threshold-0.5", "async-topk", "ngram-fixed"]
+    r = subprocess.run([sys.executable, "-m", "specforge", "bench", "serving", "--drafter", str(drafter),
+                        "--arms", *arms, "--concurrency", "1", "3", "--datasets", str(prompts), "--prompts", "6",
+                        "--sharegpt", "0", "--max-new-tokens", "6", "--out", str(tmp_path / "out"), "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    assert list(result["arms"]) == ["plain", *arms]  # plain added: the denominator
+    assert all(a["target"]["model"] == str(model) for a in result["arms"].values())
+    recs = result["records"]
+    assert {(x["arm"], x["concurrency"]) for x in recs} == {(a, c) for a in ["plain", *arms] for c in (1, 3)}
+    for x in recs:
+        assert x["failed"] == 0 and x["requests"] == 6 and x["new_tokens"] == 36
+        assert x["ttft_s"]["p50"] > 0 and x["itl_s"]["p99"] >= x["itl_s"]["p50"] > 0
+        assert 0 <= x["verify_waste"] <= 1
+        if x["arm"] == "plain":
+            assert x["vs_plain"] == 1.0 and x["verified_per_round"] == 0
+        elif x["arm"] == "fixed-2":
+            assert 0 < x["verified_per_round"] <= 2
+    for png in ("frontier.png", "verify-budget.png", "theta-sweep.png"):
+        assert (tmp_path / "out" / png).stat().st_size > 0
