@@ -199,7 +199,8 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
     from specforge.bench.serving import run_serving_benchmark, save, table
 
     result = run_serving_benchmark(args.arms, args.drafter or ["dspark"], args.concurrency, args.datasets,
-                                   args.prompts, args.sharegpt, args.max_new_tokens, args.eval_dir)
+                                   args.prompts, args.sharegpt, args.max_new_tokens, args.eval_dir,
+                                   rates=args.rate, sla_ttft=args.sla_ttft, sla_itl=args.sla_itl)
     paths = save(result, args.out)
     print(json.dumps(result, indent=2) if args.json else table(result))
     print(f"wrote {', '.join(map(str, paths))}", file=sys.stderr)
@@ -443,6 +444,11 @@ def _add_bench_serving(bench_sub) -> None:
     sv.add_argument("--sharegpt", type=int, default=24, help="ShareGPT first turns added at their real lengths")
     sv.add_argument("--max-new-tokens", type=int, default=64)
     sv.add_argument("--eval-dir", default=None, metavar="DIR")
+    sv.add_argument("--rate", type=float, nargs="*", default=[], metavar="λ",
+                    help="also an open loop: Poisson arrivals at each rate (requests/s), at most max(--concurrency) "
+                         "in flight")
+    sv.add_argument("--sla-ttft", type=float, default=2.0, help="open-loop SLA: time to first token (s)")
+    sv.add_argument("--sla-itl", type=float, default=0.25, help="open-loop SLA: mean inter-token latency (s)")
     sv.add_argument("--out", default="runs/bench-serving")
     sv.add_argument("--json", action="store_true")
     sv.set_defaults(func=cmd_bench_serving)

@@ -28,7 +28,8 @@ def test_every_arm_at_every_concurrency_against_plain_in_one_run(tmp_path):
     arms = ["fixed-2", "threshold-0.3", "threshold-0.5", "async-topk", "ngram-fixed"]
     r = subprocess.run([sys.executable, "-m", "specforge", "bench", "serving", "--drafter", str(drafter),
                         "--arms", *arms, "--concurrency", "1", "3", "--datasets", str(prompts), "--prompts", "6",
-                        "--sharegpt", "0", "--max-new-tokens", "6", "--out", str(tmp_path / "out"), "--json"],
+                        "--sharegpt", "0", "--max-new-tokens", "6", "--out", str(tmp_path / "out"), "--json",
+                        "--rate", "50", "--sla-ttft", "5", "--sla-itl", "1"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout)
@@ -44,5 +45,11 @@ def test_every_arm_at_every_concurrency_against_plain_in_one_run(tmp_path):
             assert x["vs_plain"] == 1.0 and x["verified_per_round"] == 0
         elif x["arm"] == "fixed-2":
             assert 0 < x["verified_per_round"] <= 2
+    # the open loop: every arm under Poisson arrivals, latencies from each request's arrival
+    ol = result["open_loop"]
+    assert ol["rates"] == [50.0] and {x["arm"] for x in ol["records"]} == {"plain", *arms}
+    for x in ol["records"]:
+        assert x["requests"] == 6 and x["new_tokens"] == 36 and 0 <= x["sla_met"] <= 1
+        assert x["ttft_s"]["p50"] > 0 and x["goodput_rps"] >= 0
     for png in ("frontier.png", "verify-budget.png", "theta-sweep.png"):
         assert (tmp_path / "out" / png).stat().st_size > 0

@@ -7,6 +7,12 @@ and chat from the eval sets, plus ShareGPT first turns at their real lengths).  
 arms run back to back (their order alternating from one R to the next), so a machine's drift hits
 them alike, and every arm is divided by plain decoding at the same R in the same run.
 
+An *open loop* (``rates``): requests arrive by a Poisson process at λ requests/s whatever the
+engine's progress (at most ``max(concurrency)`` in flight, the rest queue); time to first token
+then includes the queueing, and the share of requests meeting the latency SLA (``sla_ttft``,
+``sla_itl``) and the goodput (such requests per second) say which arm a serving engineer can run
+at that load.
+
 Per arm and R: aggregate tokens/s, tokens/s per user (each request's own rate, averaged), time to
 first token and inter-token latency percentiles, τ, verified draft tokens per request per round
 (the verify budget) and the verify waste (verified but rejected ÷ verified).  Plots: the
@@ -17,6 +23,7 @@ the ``threshold`` arms (Fig. 5).
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import sys
 import time
@@ -125,12 +132,52 @@ def _measure(engine: Any, prompts: list[list[int]], max_new_tokens: int) -> dict
     }
 
 
+def _open_loop(engine: Any, prompts: list[list[int]], max_new_tokens: int, rate: float, seed: int,
+               sla_ttft: float, sla_itl: float) -> dict[str, Any]:
+    """Poisson arrivals at ``rate`` requests/s; latencies count from each request's arrival."""
+    from collections import deque
+
+    gen = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in prompts:
+        t += gen.expovariate(rate)
+        arrivals.append(t)
+    pending = deque(zip(arrivals, _requests(prompts, max_new_tokens)))
+    arrived, first, done, tokens = {}, {}, {}, {}
+    t0 = time.perf_counter()
+    while pending or engine.busy:
+        now = time.perf_counter() - t0
+        while pending and pending[0][0] <= now:
+            at, request = pending.popleft()
+            arrived[engine.submit(request)] = at
+        if not engine.busy:
+            time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))
+            continue
+        for event in engine.step():
+            stamp = time.perf_counter() - t0
+            if event.token_ids and event.request_id not in first:
+                first[event.request_id] = stamp
+            if event.finished:
+                done[event.request_id] = stamp
+                tokens[event.request_id] = len(engine.take_output(event.request_id).token_ids)
+    seconds = time.perf_counter() - t0
+    ttft = {rid: first[rid] - arrived[rid] for rid in first}
+    itl = {rid: (done[rid] - first[rid]) / (tokens[rid] - 1) for rid in done if rid in first and tokens[rid] > 1}
+    good = [rid for rid in done if ttft.get(rid, float("inf")) <= sla_ttft and itl.get(rid, 0.0) <= sla_itl]
+    return {"rate": rate, "requests": len(done), "new_tokens": sum(tokens.values()), "seconds": seconds,
+            "tok_s": sum(tokens.values()) / seconds, "ttft_s": _percentiles(list(ttft.values())),
+            "itl_s": _percentiles(list(itl.values())), "sla_met": len(good) / len(done) if done else 0.0,
+            "goodput_rps": len(good) / seconds}
+
+
 def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Sequence[str] = ("dspark",),
                           concurrency: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
                           datasets: Sequence[str] = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench"),
                           per_set: int = 8, sharegpt: int = 24, max_new_tokens: int = 64, eval_dir: str | None = None,
-                          requests_per_slot: int = 2, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every arm at every concurrency (see the module docstring); the JSON-ready result."""
+                          requests_per_slot: int = 2, progress: Callable[[str], None] | None = None,
+                          rates: Sequence[float] = (), sla_ttft: float = 2.0, sla_itl: float = 0.25) -> dict[str, Any]:
+    """Every arm at every concurrency, then (``rates``) every arm under Poisson arrivals at each
+    rate (see the module docstring); the JSON-ready result."""
     from specforge.config import EngineConfig
     from specforge.engine import Engine
     from specforge.target import TargetModel
@@ -164,8 +211,21 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     plain = {rec["concurrency"]: rec["tok_s"] for rec in records if rec["arm"] == "plain"}
     for rec in records:
         rec["vs_plain"] = rec["tok_s"] / plain[rec["concurrency"]]
+    open_loop = []
+    cap = max(concurrency)
+    for i, rate in enumerate(rates):
+        context = max(len(p) for p in prompts) + max_new_tokens + 16
+        for label in (list(arms) if i % 2 == 0 else list(reversed(arms))):
+            engine = Engine.from_pipeline(replace(pipelines[label], engine=EngineConfig(max_batch=cap,
+                                                                                        max_context=context)), target)
+            engine.generate(_requests(prompts[:1], 4))
+            rec = {"arm": label, **_open_loop(engine, prompts, max_new_tokens, rate, i, sla_ttft, sla_itl)}
+            open_loop.append(rec)
+            say(f"λ={rate:<5g} {label:<14} TTFT p90 {rec['ttft_s']['p90']:.2f} s  SLA met {rec['sla_met']:.0%}  "
+                f"goodput {rec['goodput_rps']:.2f} req/s")
     return {"machine": machine(), "arms": {a: pipelines[a].to_dict() for a in arms}, "concurrency": list(concurrency),
-            "prompts": len(prompts), "max_new_tokens": max_new_tokens, "records": records}
+            "prompts": len(prompts), "max_new_tokens": max_new_tokens, "records": records,
+            "open_loop": {"rates": list(rates), "sla_ttft_s": sla_ttft, "sla_itl_s": sla_itl, "records": open_loop}}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -180,6 +240,16 @@ def table(result: dict[str, Any]) -> str:
     for a in arms:
         cells = [fmt(by[(a, c)]["tok_s"], ".1f") if a == "plain" else fmt(by[(a, c)]["vs_plain"]) for c in cs]
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    ol = result.get("open_loop") or {}
+    if ol.get("records"):
+        rates = ol["rates"]
+        by_rate = {(r["arm"], r["rate"]): r for r in ol["records"]}
+        lines += ["", f"open loop: share of requests meeting the SLA (TTFT ≤ {ol['sla_ttft_s']:g} s, "
+                      f"inter-token ≤ {ol['sla_itl_s']:g} s) / goodput in requests/s",
+                  "| arm | " + " | ".join(f"λ={r:g}/s" for r in rates) + " |", "|---|" + "---|" * len(rates)]
+        for a in arms:
+            lines.append(f"| {a} | " + " | ".join(f"{by_rate[(a, r)]['sla_met']:.0%} / {by_rate[(a, r)]['goodput_rps']:.2f}"
+                                                  for r in rates) + " |")
     return "\n".join(lines)
 
 
