@@ -93,7 +93,7 @@ def test_every_method_trains_at_one_budget_and_every_arm_is_measured_in_one_run(
     assert result["arms"]["eagle3-tree"]["pipeline"]["drafter"]["tree"] == {"topk": 2, "nodes": 4}
     assert result["machine"]["cpu"]
     table = bench_table(result)
-    assert "| eagle3-tree | eagle3 | 0 |" in table and "macro τ" in table
+    assert "eagle3-tree** | eagle3 | 0 |" in table and "macro τ" in table  # the only eagle3 tree: the best
     for png in ("acceptance.png", "learning.png"):
         assert (out / png).stat().st_size > 0
     assert (out / "table.md").read_text().strip() == table.strip()
