@@ -67,7 +67,7 @@ class DraftersBench(BaseModel):
     train: list[str] = Field(default_factory=lambda: ["cpu"],
                              description="training presets or YAML files every method shares (data, features, optimizer)")
     overrides: list[str] = Field(default_factory=list, description="key=value overrides of that shared training config")
-    budget_minutes: float = Field(60.0, gt=0, description="training wall-clock minutes per method")
+    budget_minutes: float = Field(45.0, gt=0, description="training wall-clock minutes per method")
     probe_steps: int = Field(6, ge=2, description="steps timed to turn the budget into a step count")
     eval_points: int = Field(8, ge=1, description="held-out evaluations over a method's run (the learning curve)")
     methods: dict[str, BenchMethod]
@@ -92,7 +92,8 @@ class DraftersBench(BaseModel):
 
 
 # The paper's comparison (§4, Table 1) at SmolLM2's scale: chain drafting, γ = 7 (TTT 7 for Eagle3,
-# 7 heads for Medusa), every drafter over the same 8,192-token draft vocabulary, on the `cpu`
+# 7 heads for Medusa), every drafter over the same 8,192-token draft vocabulary (DSpark's Markov
+# stage on the top 32 of each position, as the shipped drafter serves), on the `cpu`
 # preset's data (~3,600 of the target's own answers).  The trees — EAGLE-2's dynamic tree and a
 # Medusa static tree (the top-k per head, widest near the root) — come in 8 and 16 nodes: on a
 # CPU a verify pass of up to ~8 tokens costs about one of 1, so the best size is measured, not assumed.
@@ -102,8 +103,10 @@ _VOCAB = 8192
 BENCH_PRESETS: dict[str, dict[str, Any]] = {
     "paper": {
         "methods": {
-            "dspark-2": {"drafter": {"name": "dspark", "layers": 2, "gamma": 7, "draft_vocab": _VOCAB}},
-            "dspark-5": {"drafter": {"name": "dspark", "layers": 5, "gamma": 7, "draft_vocab": _VOCAB}},
+            "dspark-2": {"drafter": {"name": "dspark", "layers": 2, "gamma": 7, "draft_vocab": _VOCAB},
+                         "serve": ["drafter.candidates=32"]},
+            "dspark-5": {"drafter": {"name": "dspark", "layers": 5, "gamma": 7, "draft_vocab": _VOCAB},
+                         "serve": ["drafter.candidates=32"]},
             "dflash-5": {"drafter": {"name": "dflash", "layers": 5, "gamma": 7, "draft_vocab": _VOCAB}},
             "eagle3": {"drafter": {"name": "eagle3", "steps": 7, "draft_vocab": _VOCAB}},
             "medusa": {"drafter": {"name": "medusa", "heads": 7, "draft_vocab": _VOCAB}},
