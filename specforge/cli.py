@@ -194,6 +194,34 @@ def cmd_bench_round(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a trained drafter in another project's layout (:mod:`specforge.interop`)."""
+    from specforge.interop import export_checkpoint
+
+    notes = export_checkpoint(args.drafter, args.to, args.out)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"exported {args.drafter} → {args.out} ({args.to})")
+    return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Write a specforge checkpoint of a drafter trained elsewhere (:mod:`specforge.interop`)."""
+    from specforge.interop import import_checkpoint
+
+    target = None
+    if args.target:
+        from specforge.target import TargetModel
+
+        target = TargetModel.load(args.target, args.dtype)
+    method, fmt, notes = import_checkpoint(args.checkpoint, args.out, args.source_format, target)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"imported {args.checkpoint} ({fmt}) → {args.out}: serve it with drafter.name={method} "
+          f"drafter.checkpoint={args.out}")
+    return EXIT_OK
+
+
 def cmd_bench_serving(args: argparse.Namespace) -> int:
     """Schedulers under load (:mod:`specforge.bench.serving`)."""
     from specforge.bench.serving import run_serving_benchmark, save, table
@@ -653,8 +681,29 @@ def _add_calibrate(sub) -> None:
     ca.set_defaults(func=cmd_calibrate)
 
 
+def _add_interop(sub) -> None:
+    ex = sub.add_parser("export", help="write a trained drafter in the layout vLLM or SGLang serves",
+                        description="Read a specforge drafter checkpoint and write it in another project's layout "
+                                    "(see `specforge plugins --json` for each drafter's checkpoint_formats); every "
+                                    "required tensor and shape is checked first, and nothing is written on error.")
+    ex.add_argument("drafter", metavar="DRAFTER_DIR")
+    ex.add_argument("--to", required=True, metavar="FORMAT", help="vllm, sglang, … (per drafter method)")
+    ex.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder")
+    ex.set_defaults(func=cmd_export)
+    im = sub.add_parser("import", help="write a specforge checkpoint of a drafter trained elsewhere",
+                        description="Detect the layout of a foreign drafter checkpoint (safetensors only; pickles are "
+                                    "refused) and write a specforge checkpoint; with --target, re-stored frozen "
+                                    "weights and shapes are checked against that target.")
+    im.add_argument("checkpoint", metavar="DIR")
+    im.add_argument("--out", required=True, metavar="DRAFTER_DIR", help="a new (or empty) folder")
+    im.add_argument("--from", dest="source_format", default=None, metavar="FORMAT", help="skip detection")
+    im.add_argument("--target", default=None, help="the target it serves (embedded default, HF dir or GGUF), to check")
+    im.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    im.set_defaults(func=cmd_import)
+
+
 _BUILT_IN = (_add_plugins, _add_config, _add_generate, _add_bench, _add_profile, _add_train, _add_run, _add_eval,
-             _add_calibrate)
+             _add_calibrate, _add_interop)
 
 
 def _add_plugin_commands(sub, host: PluginHost) -> list[str]:

@@ -69,11 +69,31 @@ class DrafterMeta(_Meta):
     # The training method (specforge.training.contract): a class with a ``config`` model, built
     # as ``training(config, target)``.  None: the drafter cannot be trained by ``specforge train``.
     training: Any = Field(None, exclude=True)
+    # Foreign layouts of its checkpoints (specforge.interop.CheckpointFormat): what `specforge
+    # export --to` writes and `specforge import` reads.
+    formats: tuple[Any, ...] = Field((), exclude=True)
 
     @computed_field  # what `specforge plugins --json` shows of it
     @property
     def trainable(self) -> bool:
         return self.training is not None
+
+    @computed_field
+    @property
+    def checkpoint_formats(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.formats)
+
+    @field_validator("formats")
+    @classmethod
+    def _formats(cls, value: Any) -> Any:
+        for f in value:
+            missing = [a for a in ("name", "description", "export", "detect", "import_checkpoint") if not hasattr(f, a)]
+            if missing:
+                raise ValueError(f"format {f!r} lacks {', '.join(missing)} (see specforge.interop.CheckpointFormat)")
+        names = [f.name for f in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"formats: a name is given twice ({names})")
+        return tuple(value)
 
     @field_validator("training")
     @classmethod

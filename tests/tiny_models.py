@@ -9,11 +9,11 @@ import torch
 FAMILIES = ("llama", "qwen3", "gemma")
 
 
-def tiny_config(family: str, vocab: int = 96, eos: int = 1):
+def tiny_config(family: str, vocab: int = 96, eos: int = 1, layers: int = 3):
     from transformers import GemmaConfig, LlamaConfig, Qwen3Config
 
     common = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         eos_token_id=eos, bos_token_id=0, pad_token_id=0,
     )

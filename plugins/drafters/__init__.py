@@ -12,6 +12,7 @@ from specforge import hookimpl
 from specforge_plugins.drafters.block.training import BlockTraining, DFlashTraining
 from specforge_plugins.drafters.dspark import DFlashConfig, DFlashDrafter, DSparkConfig, DSparkDrafter
 from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Training
+from specforge_plugins.drafters.eagle3.formats import EAGLE3_FORMATS
 from specforge_plugins.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaTraining
 from specforge_plugins.drafters.ngram import NgramConfig, NgramDrafter
 
@@ -53,7 +54,7 @@ def specforge_register_drafters(register):
              description="Medusa: K heads on the target's last hidden state, then the correction head "
                          "left to right (none: plain Medusa)")
     register("eagle3", Eagle3Drafter, config=Eagle3Config, parallel=False, trees=True,
-             provides=("probs", "logits", "hidden"),
+             provides=("probs", "logits", "hidden"), formats=EAGLE3_FORMATS,
              examples=_EAGLE3_EXAMPLES, training=Eagle3Training,
              description="EAGLE-3: one decoder layer over three fused target layers, drafting a chain step by "
                          "step on its own hidden states")

@@ -85,7 +85,7 @@ class Eagle3Drafter:
             check_fits(model.shape, args, c.checkpoint, TARGET_SHAPE)
         else:
             vocab = None if c.draft_vocab is None else DraftVocab.random(c.draft_vocab, args.vocab_size, c.seed)
-            shape = Eagle3Shape.from_model_args(args, layers=c.target_layers, draft_vocab_size=c.draft_vocab)
+            shape = Eagle3Shape.from_model_args(args, runtime, layers=c.target_layers, draft_vocab_size=c.draft_vocab)
             model = Eagle3Model(shape, seed=c.seed, vocab=vocab)
         if c.dtype == "target":
             model = model.to(runtime.dtype)

@@ -33,7 +33,8 @@ from specforge_plugins.drafters.checkpoints import (
     write_checkpoint,
 )
 
-__all__ = ["FORMAT", "VERSION", "Eagle3Model", "Eagle3Shape", "eagle3_layers", "load_eagle3", "save_eagle3"]
+__all__ = ["FORMAT", "VERSION", "Eagle3Model", "Eagle3Shape", "eagle3_layers", "load_eagle3", "rope_base",
+           "save_eagle3"]
 
 FORMAT, VERSION = "specforge-eagle3", 1
 
@@ -60,7 +61,10 @@ class Eagle3Shape(BaseModel):
     n_target_layers: int = Field(ge=1)
     norm_eps: float = 1e-6
     activation: Literal["silu", "gelu_tanh"] = "silu"
-    rope_theta: float = 10000.0
+    # The target's RoPE base and context (what an exported config must state; the model itself
+    # reads the target's frequencies when bound).  None: not recorded, or a scaled RoPE.
+    rope_theta: float | None = None
+    max_positions: int = Field(8192, ge=1)
     layers: tuple[int, ...] = Field(description="the fused target layers (0-based outputs)")
     draft_vocab_size: int | None = Field(None, ge=1)
 
@@ -77,12 +81,26 @@ class Eagle3Shape(BaseModel):
         return self
 
     @classmethod
-    def from_model_args(cls, args: Any, **overrides: Any) -> Eagle3Shape:
+    def from_model_args(cls, args: Any, runtime: Any = None, **overrides: Any) -> Eagle3Shape:
+        """The shape for a target (``args``; ``runtime``: its RoPE base is read from it)."""
         shape = dict(vocab_size=args.vocab_size, dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
                      head_dim=args.head_dim, intermediate_size=args.intermediate_size,
                      n_target_layers=args.n_layers, norm_eps=args.norm_eps, activation=args.activation,
-                     layers=eagle3_layers(args.n_layers))
+                     layers=eagle3_layers(args.n_layers), max_positions=args.max_positions,
+                     rope_theta=None if runtime is None else rope_base(runtime, args.head_dim))
         return cls(**{**shape, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def rope_base(runtime: Any, head_dim: int) -> float | None:
+    """θ of the target's RoPE, inv_freq_k = θ^(−2k/hd), read back from its frequencies; None when
+    they follow no such θ (a scaled RoPE), which no EAGLE-3 config field could state."""
+    inv = getattr(runtime, "inv_freq", None)
+    if inv is None or inv.numel() < 2 or getattr(runtime, "rope_scaling", 1.0) != 1.0:
+        return None
+    theta = float(inv[1].double() ** (-head_dim / 2))
+    again = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    theta = float(f"{theta:.6g}")  # the frequencies are float32: θ is good to ~7 digits
+    return theta if torch.allclose(again, inv.double(), rtol=1e-5) else None
 
 
 class Eagle3Layer(nn.Module):
@@ -133,7 +151,7 @@ class Eagle3Model(nn.Module):
             for p in self.parameters():
                 if p.dim() == 2:
                     nn.init.normal_(p, std=0.02)
-        inv_freq = 1.0 / shape.rope_theta ** (torch.arange(0, shape.head_dim, 2).float() / shape.head_dim)
+        inv_freq = 1.0 / (shape.rope_theta or 10000.0) ** (torch.arange(0, shape.head_dim, 2).float() / shape.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.shared: SharedWeights | None = None
 

@@ -94,7 +94,8 @@ class Eagle3Training:
 
     def _shape(self, vocab: DraftVocab | None) -> Eagle3Shape:
         c = self.settings
-        return Eagle3Shape.from_model_args(self.target.args, layers=tuple(c.target_layers) if c.target_layers else None,
+        return Eagle3Shape.from_model_args(self.target.args, self.target.runtime,
+                                           layers=tuple(c.target_layers) if c.target_layers else None,
                                            draft_vocab_size=None if vocab is None else vocab.size)
 
     def _build(self, vocab: DraftVocab | None) -> _Module:

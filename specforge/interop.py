@@ -1,0 +1,139 @@
+"""Drafter checkpoints in other projects' layouts: ``specforge export`` and ``specforge import``
+(docs/interop.md).
+
+A drafter plug-in lists the foreign layouts of its checkpoints in its registration
+(``formats=(...)``, :class:`CheckpointFormat` objects): the layout a serving engine loads
+(``vllm``, ``sglang``) or a training project writes.  The core only dispatches:
+
+* **export** reads the checkpoint's ``method`` (its ``config.json``), finds the drafter registered
+  under that name and the format asked for, and lets it write the layout into a temporary folder
+  that replaces ``--out`` only when complete — a failed export leaves nothing behind;
+* **import** asks every registered format whether a folder is in its layout (``detect``); exactly
+  one must say yes, and it writes a specforge checkpoint the same way.
+
+Loading never unpickles: a folder with only PyTorch pickles (``*.bin``, ``*.pt``) is refused,
+naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from specforge.errors import SpecforgeError
+from specforge.files import replace_atomically
+
+__all__ = ["CheckpointFormat", "InteropError", "export_checkpoint", "import_checkpoint", "require_safetensors"]
+
+_PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+class InteropError(SpecforgeError, ValueError):
+    """A checkpoint that cannot be exported or imported; the message names the file and the problem."""
+
+
+@runtime_checkable
+class CheckpointFormat(Protocol):
+    """One foreign layout of a drafter method's checkpoints.
+
+    ``name`` is what ``--to``/``--from`` select (``vllm``, ``sglang``…); ``export`` writes the
+    layout of the specforge checkpoint ``source`` into the empty folder ``out`` and returns notes
+    for the user; ``detect`` says whether a folder is in this layout; ``import_checkpoint`` writes
+    a specforge checkpoint of it into the empty folder ``out`` (``target``: a bound target to check
+    re-stored frozen weights against, or None) and returns notes.  Both check every required
+    tensor's presence and shape first and raise :class:`InteropError` naming the file.
+    """
+
+    name: str
+    description: str
+
+    def export(self, source: Path, out: Path) -> list[str]: ...
+
+    def detect(self, directory: Path) -> bool: ...
+
+    def import_checkpoint(self, directory: Path, out: Path, target: Any = None) -> list[str]: ...
+
+
+def require_safetensors(directory: Path, weights: str) -> Path:
+    """The safetensors file ``weights`` of ``directory``; a folder holding only pickles is refused
+    (loading one could run code)."""
+    path = directory / weights
+    if path.is_file():
+        return path
+    pickles = sorted(p.name for pattern in _PICKLES for p in directory.glob(pattern))
+    if pickles:
+        raise InteropError(f"{directory / pickles[0]}: a pickle checkpoint; specforge loads weights only from "
+                           f"safetensors (convert it with the project that wrote it, e.g. safetensors' "
+                           f"`save_file`, then import the result)")
+    raise InteropError(f"{path}: missing (no weights in {directory})")
+
+
+def _formats(host: Any) -> dict[str, dict[str, CheckpointFormat]]:
+    """Per drafter method, its registered formats by name."""
+    return {name: {f.name: f for f in reg.metadata.formats}
+            for name, reg in host.registry.of_kind("drafter").items() if reg.metadata.formats}
+
+
+def _write(out: Path, make) -> list[str]:
+    """Run ``make(tmp)`` into a temporary folder that replaces ``out`` only if it succeeds."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise InteropError(f"{out}: not empty; choose a new folder (nothing was written)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with replace_atomically(out) as tmp:
+        tmp.mkdir()
+        notes = make(tmp)
+    return notes
+
+
+def export_checkpoint(source: str | Path, to: str, out: str | Path, host: Any = None) -> list[str]:
+    """Write the specforge checkpoint ``source`` in layout ``to`` under ``out``; returns notes."""
+    from specforge.plugins import get_host
+
+    host = host or get_host()
+    source = Path(source)
+    try:
+        meta = json.loads((source / "config.json").read_text())
+    except FileNotFoundError:
+        raise InteropError(f"{source}: no specforge checkpoint here (no config.json)") from None
+    except ValueError as exc:
+        raise InteropError(f"{source / 'config.json'}: not JSON ({exc})") from None
+    method = meta.get("method") if isinstance(meta, dict) else None
+    formats = _formats(host)
+    if method not in formats:
+        known = ", ".join(f"{m} ({', '.join(f)})" for m, f in sorted(formats.items())) or "none"
+        raise InteropError(f"{source}: a {method!r} checkpoint; exportable methods: {known}")
+    if to not in formats[method]:
+        raise InteropError(f"{source}: {method} exports to {', '.join(formats[method])}, not {to!r}")
+    fmt = formats[method][to]
+    return _write(Path(out), lambda tmp: fmt.export(source, tmp))
+
+
+def import_checkpoint(directory: str | Path, out: str | Path, source_format: str | None = None, target: Any = None,
+                      host: Any = None) -> tuple[str, str, list[str]]:
+    """Write a specforge checkpoint of the foreign checkpoint in ``directory`` under ``out``;
+    returns ``(method, format, notes)``.  ``source_format`` skips detection."""
+    from specforge.plugins import get_host
+
+    host = host or get_host()
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise InteropError(f"{directory}: no such folder")
+    candidates = [(m, f) for m, fs in _formats(host).items() for f in fs.values()
+                  if (source_format is None or f.name == source_format)]
+    if source_format is not None and not candidates:
+        names = sorted({f.name for fs in _formats(host).values() for f in fs.values()})
+        raise InteropError(f"--from {source_format!r}: no such format; formats: {', '.join(names)}")
+    hits = [(m, f) for m, f in candidates if f.detect(directory)]
+    if not hits:
+        require_safetensors(directory, "model.safetensors")  # a pickle-only folder says so first
+        names = ", ".join(f"{m}/{f.name}" for m, f in candidates)
+        raise InteropError(f"{directory}: an unknown checkpoint layout (none of {names} recognises its config.json "
+                           "and tensors)")
+    if len(hits) > 1:
+        raise InteropError(f"{directory}: matches several layouts ({', '.join(f'{m}/{f.name}' for m, f in hits)}); "
+                           "choose one with --from")
+    method, fmt = hits[0]
+    notes = _write(Path(out), lambda tmp: fmt.import_checkpoint(directory, tmp, target))
+    return method, fmt.name, notes

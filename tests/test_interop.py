@@ -1,0 +1,152 @@
+"""``specforge export`` / ``specforge import``: an eagle3 checkpoint in the layouts vLLM and SGLang
+serve — their key names and config fields (from their ``llama_eagle3.py`` loaders), exact round
+trips, and one clear error (nothing written) for every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specforge.interop import InteropError, export_checkpoint, import_checkpoint
+from specforge.target import TargetModel
+from specforge.vocab import DraftVocab
+from specforge_plugins.drafters.block.model import SharedWeights
+from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, save_eagle3
+from tiny_models import tiny_model
+
+SERVING_KEYS = {
+    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return TargetModel(tiny_model("llama", seed=7, vocab=96, eos=None, layers=8), None, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(target, tmp_path_factory):
+    """A trained-looking eagle3 checkpoint for the target: random weights, a 40-token draft vocabulary."""
+    vocab = DraftVocab.random(40, target.args.vocab_size, seed=3)
+    shape = Eagle3Shape.from_model_args(target.args, target.runtime, draft_vocab_size=40)
+    model = Eagle3Model(shape, seed=5, vocab=vocab).bind(SharedWeights.from_target(target.runtime), init_head=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    out = tmp_path_factory.mktemp("eagle3") / "drafter"
+    save_eagle3(out, model, {"kind": "eagle3"}, target="tiny")
+    return out, model
+
+
+@pytest.mark.parametrize("fmt, top_level", [("vllm", True), ("sglang", False)])
+def test_export_writes_the_serving_layout_and_imports_back_bit_for_bit(checkpoint, tmp_path, fmt, top_level, target):
+    source, model = checkpoint
+    s = model.shape
+    assert len(s.layers) == 3 and s.rope_theta is not None
+    out = tmp_path / fmt
+    export_checkpoint(source, fmt, out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["draft_vocab_size"] == 40 and config["vocab_size"] == 96 and config["target_hidden_size"] == s.dim
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(s.layers)  # outputs of layers i
+    if top_level:  # vLLM reads the inputs of layers i + 1, top-level
+        assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in s.layers]
+    else:
+        assert "eagle_aux_hidden_state_layer_ids" not in config
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == SERVING_KEYS  # exactly: vLLM refuses unknown keys, SGLang drops them
+    assert tensors["fc.weight"].shape == (s.dim, 3 * s.dim)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (s.n_heads * s.head_dim, 2 * s.dim)
+    assert torch.equal(torch.arange(40) + tensors["d2t"], model.vocab.ids) and tensors["t2d"].sum() == 40
+    torch.testing.assert_close(torch.cat([tensors["midlayer.mlp.gate_proj.weight"], tensors["midlayer.mlp.up_proj.weight"]]),
+                               model.layer.w13.weight, rtol=0, atol=0)
+    back = tmp_path / f"{fmt}-back"
+    method, found, _ = import_checkpoint(out, back, target=target)
+    assert (method, found) == ("eagle3", fmt)  # the layout is detected
+    mine, theirs = load_file(str(source / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    again = tmp_path / f"{fmt}-again"
+    export_checkpoint(back, fmt, again)
+    assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_an_sglang_layout_with_layers_0_keys_and_a_frozen_embedding_is_imported(checkpoint, tmp_path, target):
+    """SpecForge's own save (before its export) may name the layer ``layers.0`` and keep a copy of
+    the target's embedding: the copy is checked against the target and dropped."""
+    source, _ = checkpoint
+    out = tmp_path / "sglang"
+    export_checkpoint(source, "sglang", out)
+    tensors = load_file(str(out / "model.safetensors"))
+    renamed = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in tensors.items()}
+    renamed["embed_tokens.weight"] = target.runtime.embed.clone()
+    save_file(renamed, str(out / "model.safetensors"))
+    method, fmt, notes = import_checkpoint(out, tmp_path / "back", target=target)
+    assert method == "eagle3" and any("embed_tokens.weight" in n and "checked equal" in n for n in notes)
+    renamed["embed_tokens.weight"] = torch.zeros_like(renamed["embed_tokens.weight"])
+    save_file(renamed, str(out / "model.safetensors"))
+    with pytest.raises(InteropError, match=r"not the target's embedding"):
+        import_checkpoint(out, tmp_path / "back2", target=target)
+    assert not (tmp_path / "back2").exists()
+
+
+def test_bad_input_is_one_error_naming_the_file_and_nothing_is_written(checkpoint, tmp_path, target):
+    source, _ = checkpoint
+    good = tmp_path / "good"
+    export_checkpoint(source, "vllm", good)
+
+    def broken(name: str, change) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        config = json.loads((good / "config.json").read_text())
+        tensors = load_file(str(good / "model.safetensors"))
+        change(config, tensors)
+        (d / "config.json").write_text(json.dumps(config))
+        if tensors is not None:
+            save_file(tensors, str(d / "model.safetensors"))
+        return d
+
+    cases = [
+        (broken("missing", lambda c, t: t.pop("midlayer.self_attn.o_proj.weight")),
+         r"model.safetensors: the tensor 'midlayer.self_attn.o_proj.weight' is missing"),
+        (broken("misshaped", lambda c, t: t.update({"norm.weight": torch.ones(3)})),
+         r"'norm.weight' has shape \(3,\), the config says"),
+        (broken("other-target", lambda c, t: c.update({"hidden_size": 32})), r"made for another target — dim 32 \(target: 64\)"),
+        (broken("unknown", lambda c, t: c.update({"architectures": ["MysteryModel"]})), r"an unknown checkpoint layout"),
+    ]
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text("{}")
+    torch.save({"w": torch.ones(2)}, pickled / "pytorch_model.bin")
+    cases.append((pickled, r"pytorch_model.bin: a pickle checkpoint; specforge loads weights only from safetensors"))
+    for directory, message in cases:
+        out = tmp_path / f"out-{directory.name}"
+        with pytest.raises(InteropError, match=message):
+            import_checkpoint(directory, out, target=target)
+        assert not out.exists(), directory.name
+    with pytest.raises(InteropError, match=r"eagle3 exports to vllm, sglang, not 'hf'"):
+        export_checkpoint(source, "hf", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_the_commands(checkpoint, tmp_path):
+    source, _ = checkpoint
+    out = tmp_path / "v"
+    r = subprocess.run([sys.executable, "-m", "specforge", "export", str(source), "--to", "vllm", "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "specforge", "import", str(out), "--out", str(tmp_path / "b")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "drafter.name=eagle3" in r.stdout, r.stderr[-2000:]
+    assert "the target's depth is not recorded" not in r.stderr  # the export recorded it
+    r = subprocess.run([sys.executable, "-m", "specforge", "export", str(source), "--to", "vllm", "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "not empty; choose a new folder" in r.stderr
