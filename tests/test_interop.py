@@ -150,3 +150,57 @@ def test_the_commands(checkpoint, tmp_path):
     r = subprocess.run([sys.executable, "-m", "specforge", "export", str(source), "--to", "vllm", "--out", str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "not empty; choose a new folder" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def medusa_checkpoints(target, tmp_path_factory):
+    """Two trained-looking medusa checkpoints: over a draft vocabulary, and over the whole one."""
+    from specforge_plugins.drafters.medusa.model import MedusaHeads, MedusaShape, save_medusa
+
+    root = tmp_path_factory.mktemp("medusa")
+    out = {}
+    for name, n in (("vocab", 30), ("whole", None)):
+        vocab = None if n is None else DraftVocab.random(n, target.args.vocab_size, seed=4)
+        shape = MedusaShape.from_model_args(target.args, heads=3, res_layers=2, draft_vocab_size=n)
+        heads = MedusaHeads(shape, seed=2, vocab=vocab).bind(target.runtime.norm, target.runtime.lm_head, init_output=True)
+        with torch.no_grad():
+            for p in heads.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        save_medusa(root / name, heads, {"kind": "medusa"}, target="tiny")
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.parametrize("fmt, which", [("vllm", "vocab"), ("vllm", "whole"), ("medusa-1", "whole")])
+def test_medusa_exports_and_imports_back_bit_for_bit(medusa_checkpoints, tmp_path, target, fmt, which):
+    source = medusa_checkpoints[which]
+    out = tmp_path / "x"
+    export_checkpoint(source, fmt, out)
+    config = json.loads((out / "config.json").read_text())
+    weights = load_file(str(out / ("model.safetensors" if fmt == "vllm" else "medusa_lm_head.safetensors")))
+    if fmt == "vllm":
+        assert config["architectures"] == ["MedusaModel"] and config["medusa_fc_bias"] is True
+        assert config["num_heads"] == 3 and config["num_hidden_layers"] == 2
+        assert {"blocks.2.layers.1.weight", "blocks.2.layers.1.bias", "lm_heads.2.weight"} <= set(weights)
+        assert ("token_map" in weights) == (which == "vocab")
+    else:
+        assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 2
+        assert {"2.1.linear.weight", "2.1.linear.bias", "2.2.weight"} <= set(weights)
+    method, found, _ = import_checkpoint(out, tmp_path / "back", target=target)
+    assert (method, found) == ("medusa", fmt)
+    mine, theirs = load_file(str(source / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_a_draft_vocabulary_cannot_go_to_fasterdecoding_and_a_missing_head_is_named(medusa_checkpoints, tmp_path,
+                                                                                      target):
+    with pytest.raises(InteropError, match=r"a draft vocabulary of 30 tokens; FasterDecoding's heads"):
+        export_checkpoint(medusa_checkpoints["vocab"], "medusa-1", tmp_path / "m1")
+    out = tmp_path / "v"
+    export_checkpoint(medusa_checkpoints["whole"], "vllm", out)
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors.pop("lm_heads.1.weight")
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(InteropError, match=r"model.safetensors: the tensor 'lm_heads.1.weight' is missing"):
+        import_checkpoint(out, tmp_path / "back", target=target)
+    assert not (tmp_path / "back").exists()

@@ -13,6 +13,7 @@ from specforge_plugins.drafters.block.training import BlockTraining, DFlashTrain
 from specforge_plugins.drafters.dspark import DFlashConfig, DFlashDrafter, DSparkConfig, DSparkDrafter
 from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Training
 from specforge_plugins.drafters.eagle3.formats import EAGLE3_FORMATS
+from specforge_plugins.drafters.medusa.formats import MEDUSA_FORMATS
 from specforge_plugins.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaTraining
 from specforge_plugins.drafters.ngram import NgramConfig, NgramDrafter
 
@@ -50,6 +51,7 @@ def specforge_register_drafters(register):
              provides=("probs", "logits", "hidden"), examples=_BLOCK_EXAMPLES, training=DFlashTraining,
              description="DFlash: parallel block [anchor, MASK x gamma] over fused target features")
     register("medusa", MedusaDrafter, config=MedusaConfig, parallel=True, uses_correction_head=True, trees=True,
+             formats=MEDUSA_FORMATS,
              provides=("probs", "logits", "hidden"), examples=_MEDUSA_EXAMPLES, training=MedusaTraining,
              description="Medusa: K heads on the target's last hidden state, then the correction head "
                          "left to right (none: plain Medusa)")

@@ -111,7 +111,9 @@ class MedusaHeads(nn.Module):
         if lm_head.shape != (self.shape.vocab_size, self.shape.dim):
             raise ValueError(f"the target's LM head is {tuple(lm_head.shape)}; the heads were built for "
                              f"({self.shape.vocab_size}, {self.shape.dim})")
-        self._norm, self._lm_head = norm, lm_head
+        # detached: a target's Parameter assigned here would become one of the heads' own
+        # (trained, saved); a detached view shares its storage, nothing is copied.
+        self._norm, self._lm_head = norm.detach(), lm_head.detach()
         if init_output and self.out is not None:
             rows = self._rows(lm_head)
             with torch.no_grad():
