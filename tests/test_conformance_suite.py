@@ -26,9 +26,10 @@ def chost():
     return control_host()
 
 
+@pytest.mark.slow
 def test_fast_tier_certifies_every_shipped_combination():
-    # Every case of the fast tier at a fifth of its N: the same plan, probes and checks, at a cost
-    # `make test` can carry on 2 cores.  The tier at its own N is `specforge conformance` (its
+    # Every case of the fast tier at a fifth of its N: the same plan, probes and checks (15+ min on
+    # one core, hence the slow tier).  The tier at its own N is `specforge conformance` (its
     # 50-seed false-alarm run and its power are in docs/conformance.md).
     report = run_suite(PluginHost(autoload=False), tier="fast", n=4_000)
     print("\n" + report.table())
@@ -46,6 +47,21 @@ def test_fast_tier_certifies_every_shipped_combination():
     # The probes make the sampling path real: some pipelines accept long prefixes.
     assert max(r.tau for c in certified for r in c.results) > 1.5
     assert {c.status for c in report.combos} == {"certified", "lossy"}
+
+
+@pytest.mark.slow
+def test_the_fast_tier_certifies_a_component_through_its_probes_and_combinations():
+    """The suite end to end for one shipped component, as `specforge conformance --plugin` runs it:
+    its own checks, the probes of its kind, and every combination drawn with it — here the
+    online calibrator, whose `observe` runs between the rounds of every case (37 cases: slow
+    tier; `make test` runs the suite end to end on the example plug-in's scheduler)."""
+    report = run_suite(PluginHost(autoload=False), tier="fast", plugins=["online-sts"], n=3_000)
+    assert report.passed, report.explain()
+    certified = [c for c in report.combos if c.status == "certified"]
+    assert any(c.title == "probes of calibrator online-sts" for c in certified)
+    combos = [c for c in certified if not c.role]
+    assert len(combos) >= 2 and all(c.combination.calibrator == "online-sts" for c in combos)
+    assert all(k.passed for k in report.component_checks["calibrator online-sts"])
 
 
 @pytest.mark.parametrize("name", sorted(controls.CONTROL_CASES))
