@@ -241,17 +241,18 @@ def _train(bench: DraftersBench, label: str, out: Path, target: Any, say: Callab
         serving = trainer.method.pipeline(run / "drafter")
     finally:
         trainer.close()
-    return {"budget": budget, "serving": serving, "curve": _curve(run / "metrics.jsonl")}
+    return {"budget": budget, "serving": serving, "curve": _curve(run / "metrics.jsonl", budget["probe_step_seconds"])}
 
 
-def _curve(metrics: Path) -> dict[str, list[float]]:
-    """Held-out τ̂ against training minutes (cumulative step time) from a run's metrics.jsonl."""
-    minutes, spent, tau = [], 0.0, []
+def _curve(metrics: Path, step_seconds: float) -> dict[str, Any]:
+    """Held-out τ̂ against budget minutes (steps × the probe's step time, so a busy machine does
+    not stretch the axis) from a run's metrics.jsonl, and the step time actually measured."""
+    minutes, tau, spent = [], [], 0.0
     for rec in map(json.loads, metrics.read_text().splitlines()):
         if rec.get("split") == "train":
             spent += rec.get("step_time", 0.0)
         elif rec.get("split") == "eval" and "tau" in rec:
-            minutes.append(spent / 60)
+            minutes.append(rec["step"] * step_seconds / 60)
             tau.append(rec["tau"])
     return {"minutes": minutes, "tau": tau, "train_seconds": spent}
 
@@ -375,11 +376,13 @@ def bench_table(result: dict[str, Any]) -> str:
                              f"{fmt(a['speedup'])} / {fmt(b['speedup'])} |")
         lines.append("")
     budgets = result["methods"]
-    lines += ["**Budget** — training minutes per method (probe step time × steps; measured)", "",
-              "| method | step (s) | steps | trained (min) | held-out τ̂ at the end |", "|---|---|---|---|---|"]
+    lines += ["**Budget** — the probe's step time sets each method's steps; the minutes its steps took", "",
+              "| method | step (s) | steps | budget (min) | steps took (min) | held-out τ̂ at the end |",
+              "|---|---|---|---|---|---|"]
     for name, m in budgets.items():
-        curve = m["curve"]
-        lines.append(f"| {name} | {fmt(m['budget']['probe_step_seconds'])} | {m['budget']['steps']} | "
+        curve, b = m["curve"], m["budget"]
+        lines.append(f"| {name} | {fmt(b['probe_step_seconds'])} | {b['steps']} | "
+                     f"{fmt(b['steps'] * b['probe_step_seconds'] / 60, '.1f')} | "
                      f"{fmt(curve['train_seconds'] / 60, '.1f')} | {fmt(curve['tau'][-1] if curve['tau'] else None)} |")
     return "\n".join(lines)
 
@@ -419,7 +422,7 @@ def save_bench(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     for name, m in result["methods"].items():
         if m["curve"]["tau"]:
             ax.plot(m["curve"]["minutes"], m["curve"]["tau"], marker="o", label=name)
-    ax.set_xlabel("training minutes")
+    ax.set_xlabel("training minutes (steps × probe step time)")
     ax.set_ylabel("held-out τ̂")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
