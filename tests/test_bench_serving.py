@@ -25,7 +25,7 @@ def test_every_arm_at_every_concurrency_against_plain_in_one_run(tmp_path):
     drafter.write_text(f"target: {{model: '{model}', dtype: float32}}\n"
                        "drafter: {name: dspark, gamma: 3, layers: 1, seed: 1}\ncorrection_head: {name: markov, rank: 8}\n"
                        "confidence: {name: entropy}\nscheduler: {name: fixed}\n")
-    arms = ["fixed-2", "threshold-0.3", "threshold-0.5", "async-topk", "ngram-fixed"]
+    arms = ["fixed-2", "threshold-0.3", "threshold-0.5", "async-topk"]
     r = subprocess.run([sys.executable, "-m", "specforge", "bench", "serving", "--drafter", str(drafter),
                         "--arms", *arms, "--concurrency", "1", "3", "--datasets", str(prompts), "--prompts", "6",
                         "--sharegpt", "0", "--max-new-tokens", "6", "--out", str(tmp_path / "out"), "--json",

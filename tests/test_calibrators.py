@@ -271,7 +271,7 @@ def _feed(cal: OnlineSTS, raw: torch.Tensor, accepted: torch.Tensor, batch: int 
 
 def test_online_sts_is_the_identity_until_it_has_seen_enough_rounds_then_matches_an_offline_fit():
     _, accepted, raw = rounds(3000, seed=7)
-    cal = OnlineSTS(OnlineSTSConfig(window=2048, refit_every=64, min_rounds=512, width=G))
+    cal = OnlineSTS(OnlineSTSConfig(window=2048, refit_every=64, min_rounds=512, width=G, grid_size=101))
     _feed(cal, raw[:504], accepted[:504])
     assert cal.state()["fits"] == 0 and torch.equal(cal.apply(raw[:3]), raw[:3])
     _feed(cal, raw[504:3000], accepted[504:3000])
@@ -279,7 +279,7 @@ def test_online_sts_is_the_identity_until_it_has_seen_enough_rounds_then_matches
     assert state["rounds_seen"] == 3000 and state["rounds_kept"] == 2048 and state["fits"] >= 30
     # The last fit saw exactly the last rounds of the window: the offline fit on them agrees.
     last = state["fits"] and (3000 - (3000 - 512) % 64)  # rounds seen at the last refit
-    offline = SequentialTemperatureScaling()
+    offline = SequentialTemperatureScaling(STSConfig(grid_size=101))
     offline.fit(CalibrationData(raw[last - 2048:last], accepted[last - 2048:last]))
     assert state["temperatures"] == pytest.approx(offline.temperatures.tolist())
     _, held_acc, held_raw = rounds(4000, seed=8)
@@ -295,7 +295,7 @@ def test_online_sts_forgets_old_rounds_and_recovers_after_a_shift():
     _, acc_a, raw_a = rounds(2000, seed=9)
     s_b, acc_b, _ = rounds(1200, seed=10)
     raw_b = torch.sigmoid(3 * OVERCONFIDENCE * torch.logit(s_b))
-    cal = OnlineSTS(OnlineSTSConfig(window=1024, refit_every=32, min_rounds=256, width=G))
+    cal = OnlineSTS(OnlineSTSConfig(window=1024, refit_every=64, min_rounds=256, width=G, grid_size=101))
     _feed(cal, raw_a, acc_a)
     before_shift = list(cal.state()["temperatures"])
     _feed(cal, raw_b, acc_b)  # more than a window after the shift
