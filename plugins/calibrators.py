@@ -146,25 +146,34 @@ class IdentityCalibrator:
 # --- sequential temperature scaling ------------------------------------------------------------
 
 
-class STSConfig(BaseModel):
+class _GridConfig(BaseModel):
+    """The temperature grid and ECE bins an STS fit searches (``sts`` and ``online-sts``)."""
+
     model_config = ConfigDict(extra="forbid")
     t_min: float = Field(0.05, gt=0, description="smallest temperature on the grid")
     t_max: float = Field(20.0, gt=0, description="largest temperature on the grid")
     grid_size: int = Field(401, ge=2, description="log-spaced grid points (t = 1 is always added)")
     bins: int = Field(20, ge=1, description="ECE bins")
+
+    @model_validator(mode="after")
+    def _grid(self) -> _GridConfig:
+        if self.t_min >= self.t_max:
+            raise ValueError(f"t_min ({self.t_min}) must be below t_max ({self.t_max})")
+        return self
+
+
+class STSConfig(_GridConfig):
     path: str | None = Field(None, description="load fitted temperatures from this file at construction")
     temperatures: list[PositiveFloat] | None = Field(
         None, description="fitted temperatures t_1..t_G given inline (instead of path)"
     )
 
     @model_validator(mode="after")
-    def _ordered(self) -> STSConfig:
+    def _one_source(self) -> STSConfig:
         if self.path is not None and self.temperatures is not None:
             raise ValueError("give fitted temperatures either inline or as a path, not both")
         if self.temperatures is not None and not self.temperatures:
             raise ValueError("temperatures must not be empty")
-        if self.t_min >= self.t_max:
-            raise ValueError(f"t_min ({self.t_min}) must be below t_max ({self.t_max})")
         return self
 
 
@@ -258,16 +267,11 @@ class SequentialTemperatureScaling:
 # --- online recalibration ---------------------------------------------------------------------
 
 
-class OnlineSTSConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OnlineSTSConfig(_GridConfig):
     window: int = Field(2048, ge=8, description="most recent rounds kept (bounded memory; older ones are forgotten)")
     refit_every: int = Field(64, ge=1, description="rounds observed between refits")
     min_rounds: int = Field(128, ge=1, description="rounds observed before the first fit (identity until then)")
     width: int = Field(16, ge=1, description="positions kept per round (longer blocks reuse the last temperature)")
-    t_min: float = Field(0.05, gt=0, description="smallest temperature on the grid")
-    t_max: float = Field(20.0, gt=0, description="largest temperature on the grid")
-    grid_size: int = Field(401, ge=2, description="log-spaced grid points (t = 1 is always added)")
-    bins: int = Field(20, ge=1, description="ECE bins")
     path: str | None = Field(None, description="start from temperatures fitted offline (an sts or online-sts file)")
 
 
@@ -289,8 +293,7 @@ class OnlineSTS:
 
     def __init__(self, config: OnlineSTSConfig | None = None) -> None:
         self.config = c = config or OnlineSTSConfig()
-        self._sts = SequentialTemperatureScaling(STSConfig(t_min=c.t_min, t_max=c.t_max, grid_size=c.grid_size,
-                                                           bins=c.bins))
+        self._sts = SequentialTemperatureScaling(STSConfig(**{k: getattr(c, k) for k in _GridConfig.model_fields}))
         self._conf = torch.full((c.window, c.width), 0.5, dtype=torch.float64)
         self._verified = torch.zeros(c.window, dtype=torch.long)
         self._accepted = torch.zeros(c.window, dtype=torch.long)

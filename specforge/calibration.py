@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,7 @@ def calibrate(pipeline: Any, settings: CalibrateSettings, out_dir: str | Path, t
     from specforge.engine import Engine, GenerationRequest
     from specforge.engine.engine import drafter_identity
     from specforge.evalsets import apply_chat_template
+    from specforge.metrics import calibration_report
     from specforge.plots import reliability_diagram
     from specforge.plugins import get_host
     from specforge.target import TargetModel
@@ -134,8 +135,6 @@ def calibrate(pipeline: Any, settings: CalibrateSettings, out_dir: str | Path, t
         fit_report = calibrator.fit(fit)
         if hasattr(calibrator, "fitted_for"):  # the engine refuses it for another drafter or γ
             calibrator.fitted_for = {**drafter_identity(recording, engine.drafter), "temperature": t}
-        from specforge.metrics import calibration_report
-
         before = calibration_report(held)
         after = calibration_report(held, calibrator.apply(held.confidence))
         name = f"T{t:g}"

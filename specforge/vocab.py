@@ -130,6 +130,12 @@ class DraftVocab:
     def to_target(self, draft_ids: Tensor) -> Tensor:
         return self.ids.to(draft_ids.device)[draft_ids]
 
+    def spread(self, values: Tensor, fill: float) -> Tensor:
+        """``[..., N]`` values over the draft ids → ``[..., V]`` over the target's, ``fill``
+        elsewhere (0 for a law, −inf for logits)."""
+        out = torch.full((*values.shape[:-1], self.target_size), fill, dtype=values.dtype, device=values.device)
+        return out.scatter_(-1, self.ids.to(values.device).expand(*values.shape[:-1], -1), values)
+
     def coverage(self, target_ids: Tensor) -> float:
         """Share of ``target_ids`` inside the vocabulary (NaN for none)."""
         if target_ids.numel() == 0:

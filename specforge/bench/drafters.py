@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import shutil
 import statistics
 import sys
@@ -328,17 +327,17 @@ def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say,
 
 
 def _summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per temperature: macro τ (each set once), mean speedup, and the round's cost in plain steps
-    (its wall time × plain tokens/s, at concurrency 1 one plain step per token)."""
-    out = {}
-    for t in sorted({r["temperature"] for r in rows}):
-        mine = [r for r in rows if r["temperature"] == t]
+    """:func:`specforge.evaluation.runner.summarize` (macro τ and mean speedup per temperature),
+    plus τ per set and the round's cost in plain steps (its wall time × plain tokens/s: at
+    concurrency 1 one plain step per token)."""
+    from specforge.evaluation.runner import summarize
+
+    out = summarize(rows)
+    for key, s in out.items():
+        mine = [r for r in rows if f"T={r['temperature']:g}" == key]
         cost = [r["seconds"] / r["rounds"] * r["ar_tok_s"] for r in mine if r.get("rounds") and r.get("ar_tok_s")]
-        speed = [r["speedup"] for r in mine if not math.isnan(r.get("speedup", math.nan))]
-        out[f"T={t:g}"] = {"tau": statistics.fmean(r["tau"] for r in mine),
-                           "tau_by_set": {r["dataset"]: r["tau"] for r in mine},
-                           "speedup": statistics.fmean(speed) if speed else None,
-                           "round_cost": statistics.fmean(cost) if cost else None}
+        s["tau_by_set"] = {r["dataset"]: r["tau"] for r in mine}
+        s["round_cost"] = statistics.fmean(cost) if cost else None
     return out
 
 

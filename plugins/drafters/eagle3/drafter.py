@@ -142,13 +142,8 @@ class Eagle3Drafter:
         y, logits = model.chain(model.embed(anchor), g0, pos0, ctx_k, ctx_v, valid, g, draw)
         draw(g - 1, logits[:, -1])  # the last step's token (``chain`` asks only for inputs it feeds back)
         law = torch.stack(laws, 1)
-        v = model.shape.vocab_size
-        if vocab is None:
-            probs, full = law, logits
-        else:
-            ids = vocab.ids.expand(r, g, -1)
-            probs = torch.zeros(r, g, v, dtype=law.dtype).scatter_(2, ids, law)
-            full = torch.full((r, g, v), float("-inf"), dtype=logits.dtype).scatter_(2, ids, logits)
+        probs = law if vocab is None else vocab.spread(law, 0.0)
+        full = logits if vocab is None else vocab.spread(logits, float("-inf"))
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=full, hidden=model.norm(y).float(),
                           anchor=anchor)
 
@@ -158,13 +153,9 @@ class Eagle3Drafter:
         ``max_tokens`` (a prefix: the tree is breadth first)."""
         model, vocab, tree = self.model, self.model.vocab, self.config.tree
         grown = grow_tree(model, model.embed(ctx.anchor), g0, pos0, ctx_k, ctx_v, valid, depth, tree.topk,
-                          tree.nodes, lambda ids: ids if vocab is None else vocab.ids[ids])
-        r, m = grown.tokens.shape
-        tokens = grown.tokens if vocab is None else vocab.ids[grown.tokens]
-        logits = grown.logits
-        if vocab is not None:
-            logits = torch.full((r, m, model.shape.vocab_size), float("-inf"), dtype=logits.dtype).scatter_(
-                2, vocab.ids.expand(r, m, -1), logits)
+                          tree.nodes, (lambda ids: ids) if vocab is None else vocab.to_target)
+        tokens = grown.tokens if vocab is None else vocab.to_target(grown.tokens)
+        logits = grown.logits if vocab is None else vocab.spread(grown.logits, float("-inf"))
         lengths = torch.where(have, (grown.depth <= ctx.max_tokens[:, None]).sum(1), 0)
         return DraftBlock(tokens=tokens, lengths=lengths, logits=logits, hidden=model.norm(grown.hidden).float(),
                           anchor=ctx.anchor, parents=grown.parents)
