@@ -259,9 +259,10 @@ def cmd_bench_drafters(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides) + ([f"out={args.out}"] if args.out else [])
     bench = load_bench_config(args.config or ["paper"], overrides)
-    result = run_drafters_bench(bench, prepare_only=args.prepare_only)
+    result = run_drafters_bench(bench, prepare_only=args.prepare_only, train_only=args.train_only)
     if result is None:
-        print(f"data and feature caches ready under {bench.out}", file=sys.stderr)
+        done = "data and feature caches" if args.prepare_only else "every method trained"
+        print(f"{done}: ready under {bench.out}", file=sys.stderr)
         return EXIT_OK
     paths = save_bench(result, bench.out)
     print(json.dumps(result, indent=2) if args.json else bench_table(result))
@@ -497,6 +498,9 @@ def _add_bench_drafters(bench_sub) -> None:
     db.add_argument("--prepare-only", action="store_true",
                     help="only regenerate the data and build every method's feature cache (nothing is timed, so "
                          "the machine may be busy); a later call trains and measures")
+    db.add_argument("--train-only", action="store_true",
+                    help="train every method at the budget and stop (steps are fixed by the probe, so training "
+                         "may share the machine; run the probe and the measuring call on a quiet one)")
     db.add_argument("--json", action="store_true", help="print the JSON result instead of the tables")
     db.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="bench config overrides, e.g. budget_minutes=30 prompts=4")

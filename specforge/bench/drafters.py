@@ -287,10 +287,12 @@ def prepare(bench: DraftersBench, target: Any, say: Callable[[str], None] = _say
 
 
 def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say,
-                       prepare_only: bool = False) -> dict[str, Any] | None:
+                       prepare_only: bool = False, train_only: bool = False) -> dict[str, Any] | None:
     """Train every method at the budget (resuming what an earlier call made), then measure every
     arm against plain decoding in one run; returns the JSON-ready result (see the module docstring).
-    ``prepare_only``: stop after the data and feature caches (:func:`prepare`) and return None."""
+    ``prepare_only``: stop after the data and feature caches (:func:`prepare`) and return None.
+    ``train_only``: stop after training (None) — training is counted in steps, so it may share the
+    machine; the measuring call that follows wants it quiet."""
     from specforge.evaluation import EvalSettings, evaluate
     from specforge.target import TargetModel
 
@@ -309,6 +311,8 @@ def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say,
         say(f"[{i}/{len(bench.methods)}] {label} → {out / label}")
         trained[label] = _train(bench, label, out, target, say)
     train_s = time.perf_counter() - t0
+    if train_only:
+        return None
     say("evaluation: every arm and plain decoding, same prompts, same run")
     target_section = {"model": first.target.model, "dtype": first.target.dtype}
     arms = _pipelines(bench, trained, target_section)
