@@ -21,10 +21,16 @@ import json
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor
+
 from specforge.errors import SpecforgeError
 from specforge.files import replace_atomically
 
-__all__ = ["CheckpointFormat", "InteropError", "export_checkpoint", "import_checkpoint", "require_safetensors"]
+__all__ = ["CheckpointFormat", "InteropError", "check_shapes", "drop_frozen", "export_checkpoint",
+           "import_checkpoint", "load_tensors", "mismatch", "read_config", "require_safetensors"]
 
 _PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
@@ -67,6 +73,64 @@ def require_safetensors(directory: Path, weights: str) -> Path:
                            f"safetensors (convert it with the project that wrote it, e.g. safetensors' "
                            f"`save_file`, then import the result)")
     raise InteropError(f"{path}: missing (no weights in {directory})")
+
+
+def read_config(directory: Path, name: str = "config.json") -> dict[str, Any] | None:
+    """The JSON object ``directory/name``; None when it is missing, unreadable or not an object
+    (``detect`` then says no)."""
+    try:
+        config = json.loads((Path(directory) / name).read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def load_tensors(directory: Path, weights: str = "model.safetensors") -> tuple[Path, dict[str, Tensor]]:
+    """``(file, tensors)``: every tensor of ``directory/weights``, or of the shards its
+    ``weights.index.json`` lists (Hugging Face's ``save_pretrained`` splits large models); an
+    unreadable file is one error naming it, a pickle-only folder is refused."""
+    directory = Path(directory)
+    index = directory / f"{weights}.index.json"
+    if index.is_file() and not (directory / weights).is_file():
+        shards = sorted(set(((read_config(directory, index.name) or {}).get("weight_map") or {}).values()))
+        if not shards:
+            raise InteropError(f"{index}: no weight_map naming its shards")
+        where, paths = index, [directory / shard for shard in shards]
+    else:
+        where = require_safetensors(directory, weights)
+        paths = [where]
+    tensors: dict[str, Tensor] = {}
+    for path in paths:
+        try:
+            tensors.update(load_file(str(path)))
+        except (OSError, SafetensorError) as exc:
+            raise InteropError(f"{path}: not a readable safetensors file ({exc})") from None
+    return where, tensors
+
+
+def check_shapes(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]], where: Path) -> None:
+    """Every ``expected`` tensor present with its shape, before anything is written."""
+    for key, want in expected.items():
+        if key not in tensors:
+            raise InteropError(f"{where}: the tensor {key!r} is missing")
+        if tuple(tensors[key].shape) != tuple(want):
+            raise InteropError(f"{where}: {key!r} has shape {tuple(tensors[key].shape)}, the config says {tuple(want)}")
+
+
+def drop_frozen(tensor: Tensor, reference: Tensor | None, key: str, what: str, where: Path) -> str:
+    """A re-stored copy of one of the target's frozen tensors (its embedding, its LM head): checked
+    equal to the bound target's ``reference`` when there is one, then dropped — the drafter reads
+    the target's own.  Returns the note."""
+    if reference is not None and not torch.equal(tensor.to(reference.dtype), reference):
+        raise InteropError(f"{where}: its {key!r} is not the target's {what} (another target?)")
+    return (f"dropped {key!r}: the drafter reads the target's own {what}"
+            + ("" if reference is None else " (checked equal to the bound target's)"))
+
+
+def mismatch(pairs: dict[str, tuple[Any, Any]]) -> str:
+    """``"dim 32 (target: 64), …"`` for the ``{name: (checkpoint's, target's)}`` that differ; ""
+    when all agree."""
+    return ", ".join(f"{k} {mine} (target: {theirs})" for k, (mine, theirs) in pairs.items() if mine != theirs)
 
 
 def _formats(host: Any) -> dict[str, dict[str, CheckpointFormat]]:

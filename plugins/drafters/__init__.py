@@ -9,6 +9,7 @@ initialisation.
 from __future__ import annotations
 
 from specforge import hookimpl
+from specforge_plugins.drafters.block.formats import DFLASH_FORMATS, DSPARK_FORMATS
 from specforge_plugins.drafters.block.training import BlockTraining, DFlashTraining
 from specforge_plugins.drafters.dspark import DFlashConfig, DFlashDrafter, DSparkConfig, DSparkDrafter
 from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Training
@@ -45,10 +46,12 @@ def specforge_register_drafters(register):
                          "occurrence of the last n tokens (no model)")
     register("dspark", DSparkDrafter, config=DSparkConfig, parallel=True, uses_correction_head=True,
              provides=("probs", "logits", "hidden"), examples=_BLOCK_EXAMPLES, training=BlockTraining,
+             formats=DSPARK_FORMATS,
              description="DSpark: parallel block [anchor, MASK x (gamma-1)] over fused target features, "
                          "then the correction head left to right")
     register("dflash", DFlashDrafter, config=DFlashConfig, parallel=True, uses_correction_head=True,
              provides=("probs", "logits", "hidden"), examples=_BLOCK_EXAMPLES, training=DFlashTraining,
+             formats=DFLASH_FORMATS,
              description="DFlash: parallel block [anchor, MASK x gamma] over fused target features")
     register("medusa", MedusaDrafter, config=MedusaConfig, parallel=True, uses_correction_head=True, trees=True,
              formats=MEDUSA_FORMATS,

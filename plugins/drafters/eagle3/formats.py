@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
-from specforge.interop import InteropError, require_safetensors
+from specforge.interop import InteropError, check_shapes, drop_frozen, load_tensors, mismatch, read_config
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, load_eagle3, save_eagle3
 
@@ -79,14 +78,6 @@ def _expected(s: Eagle3Shape) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _check(tensors: dict[str, Tensor], shape: Eagle3Shape, where: Path) -> None:
-    for key, want in _expected(shape).items():
-        if key not in tensors:
-            raise InteropError(f"{where}: the tensor {key!r} is missing")
-        if tuple(tensors[key].shape) != want:
-            raise InteropError(f"{where}: {key!r} has shape {tuple(tensors[key].shape)}, the config says {want}")
-
-
 class Eagle3Format:
     """One serving engine's EAGLE-3 layout (see the module docstring)."""
 
@@ -114,7 +105,7 @@ class Eagle3Format:
         tensors["d2t"], tensors["t2d"] = vocab.d2t, vocab.t2d
         if model.vocab is None:
             notes.append("no draft vocabulary: d2t is all zeros and t2d all true (the whole target vocabulary)")
-        _check(tensors, s, source)
+        check_shapes(tensors, _expected(s), source)
         config = {
             "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": s.dim,
             "intermediate_size": s.intermediate_size, "num_attention_heads": s.n_heads,
@@ -136,19 +127,15 @@ class Eagle3Format:
     # -- import ---------------------------------------------------------------------------------
 
     def detect(self, directory: Path) -> bool:
-        config = _config(directory)
+        config = read_config(directory)
         if not config or ARCHITECTURE not in (config.get("architectures") or []):
             return False
         top = "eagle_aux_hidden_state_layer_ids" in config
         return top if self._shift else not top  # vLLM's layout carries the top-level ids, SGLang's not
 
     def import_checkpoint(self, directory: Path, out: Path, target: Any = None) -> list[str]:
-        config = _config(directory)
-        weights = require_safetensors(directory, "model.safetensors")
-        try:
-            tensors = load_file(str(weights))
-        except (OSError, SafetensorError) as exc:
-            raise InteropError(f"{weights}: not a readable safetensors file ({exc})") from None
+        config = read_config(directory) or {}
+        weights, tensors = load_tensors(directory)
         notes = []
         if self._shift:
             layers = [int(i) - self._shift for i in config["eagle_aux_hidden_state_layer_ids"]]
@@ -163,11 +150,8 @@ class Eagle3Format:
         for frozen in _FROZEN:
             key = frozen.removeprefix("model.")
             if key in prefixed:
-                emb = prefixed.pop(key)
-                if target is not None and not torch.equal(emb.to(target.runtime.embed.dtype), target.runtime.embed):
-                    raise InteropError(f"{weights}: its {key!r} is not the target's embedding (another target?)")
-                notes.append(f"dropped {key!r}: the drafter reads the target's own embedding"
-                             + ("" if target is None else " (checked equal to the bound target's)"))
+                notes.append(drop_frozen(prefixed.pop(key), None if target is None else target.runtime.embed, key,
+                                         "embedding", weights))
         try:
             d2t, t2d = prefixed.pop("d2t", None), prefixed.pop("t2d", None)
             n = int(config.get("draft_vocab_size") or config["vocab_size"])
@@ -197,13 +181,12 @@ class Eagle3Format:
                          "fused layer is L − 4); import with --target to check it")
         if target is not None:
             a = target.args
-            wrong = [f"{k} {getattr(shape, k)} (target: {getattr(a, t)})"
-                     for k, t in (("vocab_size", "vocab_size"), ("dim", "dim")) if getattr(shape, k) != getattr(a, t)]
+            wrong = mismatch({"vocab_size": (shape.vocab_size, a.vocab_size), "dim": (shape.dim, a.dim)})
             if wrong or max(layers, default=0) >= a.n_layers:
                 raise InteropError(f"{directory}: made for another target — "
-                                   + (", ".join(wrong) or f"fused layers {layers} beyond its {a.n_layers} layers"))
+                                   + (wrong or f"fused layers {layers} beyond its {a.n_layers} layers"))
             shape = shape.model_copy(update={"n_target_layers": a.n_layers})
-        _check({**prefixed, "d2t": d2t, "t2d": t2d}, shape, weights)
+        check_shapes({**prefixed, "d2t": d2t, "t2d": t2d}, _expected(shape), weights)
         unknown = sorted(set(prefixed) - set(_SAME) - {_GATE, _UP})
         if unknown:
             raise InteropError(f"{weights}: tensors the EAGLE-3 layer does not have: {', '.join(unknown[:5])}")
@@ -216,14 +199,6 @@ class Eagle3Format:
         save_eagle3(out, model, {"kind": "eagle3", "imported_from": str(directory), "format": self.name},
                     target=(config.get("specforge") or {}).get("target"))
         return notes
-
-
-def _config(directory: Path) -> dict[str, Any] | None:
-    try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None
 
 
 EAGLE3_FORMATS = (Eagle3Format("vllm", "vLLM", 1), Eagle3Format("sglang", "SGLang", 0))

@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
-from specforge.interop import InteropError, require_safetensors
+from specforge.interop import InteropError, load_tensors, mismatch, read_config
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.medusa.model import MedusaHeads, MedusaShape, load_medusa, save_medusa
 
@@ -90,24 +89,17 @@ class MedusaFormat:
     # -- import ---------------------------------------------------------------------------------
 
     def detect(self, directory: Path) -> bool:
-        try:
-            config = json.loads((directory / "config.json").read_text())
-        except (OSError, ValueError):
-            return False
-        if not isinstance(config, dict):
+        config = read_config(directory)
+        if config is None:
             return False
         if self.name == "vllm":
             return "MedusaModel" in (config.get("architectures") or [])
         return "medusa_num_heads" in config
 
     def import_checkpoint(self, directory: Path, out: Path, target: Any = None) -> list[str]:
-        config = json.loads((directory / "config.json").read_text())
-        weights = require_safetensors(directory, self.weights)
-        try:
-            tensors = {k.removeprefix("medusa_heads.").removeprefix("medusa_head."): v
-                       for k, v in load_file(str(weights)).items()}
-        except (OSError, SafetensorError) as exc:
-            raise InteropError(f"{weights}: not a readable safetensors file ({exc})") from None
+        config = read_config(directory) or {}
+        weights, tensors = load_tensors(directory, self.weights)
+        tensors = {k.removeprefix("medusa_heads.").removeprefix("medusa_head."): v for k, v in tensors.items()}
         pattern = re.compile(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)" if self.name == "vllm"
                              else r"(\d+)\.(\d+)\.linear\.(weight|bias)")
         blocks = [m.groups() for k in tensors if (m := pattern.fullmatch(k))]
@@ -135,11 +127,10 @@ class MedusaFormat:
             raise InteropError(f"{directory / 'config.json'}: not a usable Medusa config ({exc})") from None
         if target is not None:
             a = target.args
-            wrong = [f"{k} {getattr(shape, k)} (target: {getattr(a, t)})"
-                     for k, t in (("vocab_size", "vocab_size"), ("dim", "dim"), ("n_target_layers", "n_layers"))
-                     if getattr(shape, k) != getattr(a, t)]
+            wrong = mismatch({k: (getattr(shape, k), getattr(a, t)) for k, t in
+                              (("vocab_size", "vocab_size"), ("dim", "dim"), ("n_target_layers", "n_layers"))})
             if wrong:
-                raise InteropError(f"{directory}: made for another target — {', '.join(wrong)}")
+                raise InteropError(f"{directory}: made for another target — {wrong}")
         state = {}
         for h in range(k_heads):
             for l_ in range(res):
