@@ -235,6 +235,20 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench_vllm_drafter(args: argparse.Namespace) -> int:
+    """A drafter trained here, served by vLLM (:mod:`specforge.bench.vllm_drafter`)."""
+    from specforge.bench.vllm_drafter import VllmDrafterSettings, passed, run_vllm_drafter, save, table
+
+    settings = VllmDrafterSettings(datasets=args.datasets, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                                   tolerance=args.tolerance, dtype=args.dtype, eval_dir=args.eval_dir,
+                                   overrides=args.overrides)
+    result = run_vllm_drafter(args.drafter, settings, args.out)
+    paths = save(result, args.out)
+    print(json.dumps(result, indent=2, default=str) if args.json else table(result))
+    print(f"wrote {', '.join(map(str, paths))}", file=sys.stderr)
+    return EXIT_OK if passed(result) else EXIT_FAILURE
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit a calibrator on a pipeline's own rounds (:mod:`specforge.calibration`)."""
     from specforge.calibration import CalibrateSettings, calibrate, calibration_table
@@ -452,6 +466,7 @@ def _add_bench(sub) -> None:
     _add_bench_round(bench_sub)
     _add_bench_drafters(bench_sub)
     _add_bench_serving(bench_sub)
+    _add_bench_vllm_drafter(bench_sub)
 
 
 def _add_bench_serving(bench_sub) -> None:
@@ -481,6 +496,37 @@ def _add_bench_serving(bench_sub) -> None:
     sv.add_argument("--out", default="runs/bench-serving")
     sv.add_argument("--json", action="store_true")
     sv.set_defaults(func=cmd_bench_serving)
+
+
+def _add_bench_vllm_drafter(bench_sub) -> None:
+    from specforge.bench.vllm_drafter import VllmDrafterSettings
+
+    d = VllmDrafterSettings()
+    vd = bench_sub.add_parser(
+        "vllm-drafter",
+        help="serve a drafter trained here with vLLM's CPU build (exported with `specforge export --to vllm`) and "
+             "compare it with specforge's engine",
+        description="Exports DRAFTER_DIR in vLLM's layout, then decodes the same prompts greedily with vLLM (plain "
+                    "and with the drafter as its speculative model) and with specforge's engine (plain and with the "
+                    "drafter).  Checks that vLLM's output with the drafter equals its plain output token for token "
+                    "and that vLLM's mean acceptance length is within the tolerance of ours; reports both "
+                    "systems' speedups over their own plain decoding.  Needs vLLM's CPU build (`make vllm`).  "
+                    "Exit status 1 when a check fails.")
+    vd.add_argument("drafter", metavar="DRAFTER_DIR", help="a specforge drafter checkpoint (eagle3, medusa, …)")
+    vd.add_argument("--datasets", nargs="+", default=list(d.datasets))
+    vd.add_argument("--prompts", type=int, default=d.prompts, help="prompts per eval set")
+    vd.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    vd.add_argument("--tolerance", type=float, default=d.tolerance,
+                    help="largest relative difference of the mean acceptance lengths")
+    vd.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"],
+                    help="both systems' dtype (bfloat16 rounds a γ+1-token verify pass differently from a one-token "
+                         "step, so near-ties flip the greedy output)")
+    vd.add_argument("--eval-dir", default=None, metavar="DIR")
+    vd.add_argument("--out", default="runs/bench-vllm-drafter")
+    vd.add_argument("--json", action="store_true")
+    vd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="pipeline overrides for specforge's side, e.g. drafter.gamma=5")
+    vd.set_defaults(func=cmd_bench_vllm_drafter)
 
 
 def _add_bench_drafters(bench_sub) -> None:

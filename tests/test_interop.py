@@ -79,6 +79,28 @@ def test_export_writes_the_serving_layout_and_imports_back_bit_for_bit(checkpoin
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("fmt, maps", [("vllm", False), ("sglang", True)])
+def test_a_whole_vocabulary_eagle3_goes_to_vllm_without_maps_and_to_sglang_with_identity_maps(target, tmp_path, fmt,
+                                                                                              maps):
+    # vLLM 0.32 refused to load d2t for a whole-vocabulary drafter ("no module or parameter named
+    # 'draft_id_to_target_id'": tests/test_vllm_client.py found it); SGLang reads identity maps.
+    shape = Eagle3Shape.from_model_args(target.args, target.runtime)
+    model = Eagle3Model(shape, seed=5).bind(SharedWeights.from_target(target.runtime), init_head=True)
+    source = tmp_path / "drafter"
+    save_eagle3(source, model, {}, target="tiny")
+    out = tmp_path / fmt
+    export_checkpoint(source, fmt, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == (SERVING_KEYS if maps else SERVING_KEYS - {"d2t", "t2d"})
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 96
+    if maps:
+        assert not tensors["d2t"].any() and bool(tensors["t2d"].all())
+    back = tmp_path / "back"
+    import_checkpoint(out, back, target=target)
+    mine, theirs = load_file(str(source / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 def test_an_sglang_layout_with_layers_0_keys_and_a_frozen_embedding_is_imported(checkpoint, tmp_path, target):
     """SpecForge's own save (before its export) may name the layer ``layers.0`` and keep a copy of
     the target's embedding: the copy is checked against the target and dropped."""

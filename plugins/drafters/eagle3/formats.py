@@ -81,8 +81,8 @@ def _expected(s: Eagle3Shape) -> dict[str, tuple[int, ...]]:
 class Eagle3Format:
     """One serving engine's EAGLE-3 layout (see the module docstring)."""
 
-    def __init__(self, name: str, engine: str, shift: int) -> None:
-        self.name, self.engine, self._shift = name, engine, shift
+    def __init__(self, name: str, engine: str, shift: int, full_vocab_maps: bool) -> None:
+        self.name, self.engine, self._shift, self._full_maps = name, engine, shift, full_vocab_maps
         self.description = (f"the EAGLE-3 layout {engine} serves (LlamaForCausalLMEagle3: midlayer.* keys, "
                             "d2t/t2d maps)")
 
@@ -102,10 +102,14 @@ class Eagle3Format:
         tensors = {key: state[ours] for key, ours in _SAME.items()}
         tensors[_GATE], tensors[_UP] = state["layer.w13.weight"].chunk(2, dim=0)
         vocab = model.vocab or DraftVocab(torch.arange(s.vocab_size), s.vocab_size)
-        tensors["d2t"], tensors["t2d"] = vocab.d2t, vocab.t2d
-        if model.vocab is None:
-            notes.append("no draft vocabulary: d2t is all zeros and t2d all true (the whole target vocabulary)")
-        check_shapes(tensors, _expected(s), source)
+        expected = _expected(s)
+        if model.vocab is not None or self._full_maps:
+            tensors["d2t"], tensors["t2d"] = vocab.d2t, vocab.t2d
+            if model.vocab is None:
+                notes.append("no draft vocabulary: d2t is all zeros and t2d all true (the whole target vocabulary)")
+        else:  # vLLM builds no d2t parameter for the whole vocabulary, and refuses a tensor it has no slot for
+            del expected["d2t"], expected["t2d"]
+        check_shapes(tensors, expected, source)
         config = {
             "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": s.dim,
             "intermediate_size": s.intermediate_size, "num_attention_heads": s.n_heads,
@@ -201,4 +205,8 @@ class Eagle3Format:
         return notes
 
 
-EAGLE3_FORMATS = (Eagle3Format("vllm", "vLLM", 1), Eagle3Format("sglang", "SGLang", 0))
+# vLLM's Eagle3LlamaForCausalLM has a d2t parameter only for a draft vocabulary smaller than the
+# target's (loading one otherwise fails: "no module or parameter named 'draft_id_to_target_id'");
+# SGLang reads identity maps as the whole vocabulary.
+EAGLE3_FORMATS = (Eagle3Format("vllm", "vLLM", 1, full_vocab_maps=False),
+                  Eagle3Format("sglang", "SGLang", 0, full_vocab_maps=True))
