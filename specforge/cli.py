@@ -198,7 +198,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write a trained drafter in another project's layout (:mod:`specforge.interop`)."""
     from specforge.interop import export_checkpoint
 
-    notes = export_checkpoint(args.drafter, args.to, args.out)
+    if args.to != "hf" and (args.eval or args.conformance):
+        raise ConfigError(["--eval and --conformance fill the model card of --to hf; other layouts have none"])
+    notes = export_checkpoint(args.drafter, args.to, args.out, evaluation=args.eval, conformance=args.conformance)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"exported {args.drafter} → {args.out} ({args.to})")
@@ -737,8 +739,12 @@ def _add_interop(sub) -> None:
                                     "(see `specforge plugins --json` for each drafter's checkpoint_formats); every "
                                     "required tensor and shape is checked first, and nothing is written on error.")
     ex.add_argument("drafter", metavar="DRAFTER_DIR")
-    ex.add_argument("--to", required=True, metavar="FORMAT", help="vllm, sglang, … (per drafter method)")
+    ex.add_argument("--to", required=True, metavar="FORMAT",
+                    help="vllm, sglang, … (per drafter method), or hf: the checkpoint with a model card")
     ex.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder")
+    ex.add_argument("--eval", default=None, metavar="EVAL_JSON", help="--to hf: the τ table of this `specforge eval` result")
+    ex.add_argument("--conformance", default=None, metavar="JSON",
+                    help="--to hf: the result of this `specforge conformance --out` run")
     ex.set_defaults(func=cmd_export)
     im = sub.add_parser("import", help="write a specforge checkpoint of a drafter trained elsewhere",
                         description="Detect the layout of a foreign drafter checkpoint (safetensors only; pickles are "

@@ -151,8 +151,11 @@ def _write(out: Path, make) -> list[str]:
     return notes
 
 
-def export_checkpoint(source: str | Path, to: str, out: str | Path, host: Any = None) -> list[str]:
-    """Write the specforge checkpoint ``source`` in layout ``to`` under ``out``; returns notes."""
+def export_checkpoint(source: str | Path, to: str, out: str | Path, host: Any = None,
+                      evaluation: str | Path | None = None, conformance: str | Path | None = None) -> list[str]:
+    """Write the specforge checkpoint ``source`` in layout ``to`` under ``out``; returns notes.
+    ``to="hf"`` (every method): the checkpoint with a model card (:mod:`specforge.model_card`),
+    which shows the ``evaluation`` and ``conformance`` result files when given."""
     from specforge.plugins import get_host
 
     host = host or get_host()
@@ -168,8 +171,12 @@ def export_checkpoint(source: str | Path, to: str, out: str | Path, host: Any = 
     if method not in formats:
         known = ", ".join(f"{m} ({', '.join(f)})" for m, f in sorted(formats.items())) or "none"
         raise InteropError(f"{source}: a {method!r} checkpoint; exportable methods: {known}")
+    if to == "hf":
+        from specforge.model_card import export_hf
+
+        return _write(Path(out), lambda tmp: export_hf(source, tmp, evaluation, conformance))
     if to not in formats[method]:
-        raise InteropError(f"{source}: {method} exports to {', '.join(formats[method])}, not {to!r}")
+        raise InteropError(f"{source}: {method} exports to {', '.join([*formats[method], 'hf'])}, not {to!r}")
     fmt = formats[method][to]
     return _write(Path(out), lambda tmp: fmt.export(source, tmp))
 

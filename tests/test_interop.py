@@ -5,6 +5,7 @@ trips, and one clear error (nothing written) for every kind of bad input."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -154,9 +155,9 @@ def test_bad_input_is_one_error_naming_the_file_and_nothing_is_written(checkpoin
         with pytest.raises(InteropError, match=message):
             import_checkpoint(directory, out, target=target)
         assert not out.exists(), directory.name
-    with pytest.raises(InteropError, match=r"eagle3 exports to vllm, sglang, not 'hf'"):
-        export_checkpoint(source, "hf", tmp_path / "hf")
-    assert not (tmp_path / "hf").exists()
+    with pytest.raises(InteropError, match=r"eagle3 exports to vllm, sglang, hf, not 'deepspec'"):
+        export_checkpoint(source, "deepspec", tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
 
 
 def test_the_commands(checkpoint, tmp_path):
@@ -226,3 +227,35 @@ def test_a_draft_vocabulary_cannot_go_to_fasterdecoding_and_a_missing_head_is_na
     with pytest.raises(InteropError, match=r"model.safetensors: the tensor 'lm_heads.1.weight' is missing"):
         import_checkpoint(out, tmp_path / "back", target=target)
     assert not (tmp_path / "back").exists()
+
+
+def test_hf_export_is_the_checkpoint_with_a_model_card_and_refuses_a_corrupt_one(checkpoint, tmp_path):
+    source, _ = checkpoint
+    evaluation = {"settings": {"prompts": 2, "max_new_tokens": 16, "concurrency": 1},
+                  "results": [{"dataset": "gsm8k", "temperature": 0.0, "tau": 2.5, "acceptance": [0.8, 0.6],
+                               "tok_s": 30.0, "ar_tok_s": 20.0, "speedup": 1.5}],
+                  "summary": {"T=0": {"tau": 2.5, "speedup": 1.5}}}
+    conformance = {"tier": "fast", "alpha": 1e-6, "passed": True, "combinations": [{}, {}, {}]}
+    (tmp_path / "eval.json").write_text(json.dumps(evaluation))
+    (tmp_path / "conf.json").write_text(json.dumps(conformance))
+    out = tmp_path / "hf"
+    notes = export_checkpoint(source, "hf", out, evaluation=tmp_path / "eval.json", conformance=tmp_path / "conf.json")
+    assert notes == [] and {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md"}
+    assert (out / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: specforge\nbase_model: tiny\n") and "- eagle3" in card
+    assert "gsm8k" in card and "2.50" in card and "**passed** over 3 combinations" in card
+    bare = tmp_path / "bare"
+    notes = export_checkpoint(source, "hf", bare)
+    assert notes and "no τ table and no conformance result" in notes[0]
+    assert "Not measured for this card" in (bare / "README.md").read_text()
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(source, corrupt)
+    data = bytearray((corrupt / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (corrupt / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(InteropError, match=r"model.safetensors is corrupt"):
+        export_checkpoint(corrupt, "hf", tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+    with pytest.raises(InteropError, match=r"not a `specforge eval` result"):
+        export_checkpoint(source, "hf", tmp_path / "never", evaluation=tmp_path / "conf.json")

@@ -367,7 +367,9 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def _write_drafter(self, directory: Path) -> None:
-        self.method.save(directory, {"target": self.config.target.model, "trained_steps": self.step})
+        # Provenance travels with the weights: the model card of `specforge export --to hf` names the data.
+        self.method.save(directory, {"target": self.config.target.model, "trained_steps": self.step,
+                                     "data": self.config.to_dict().get("data")})
 
     def export(self, directory: Path) -> Path:
         """The trained drafter alone (for eval and inference), replaced atomically."""
