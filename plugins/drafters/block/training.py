@@ -98,6 +98,9 @@ class BlockTrainConfig(BaseModel):
     confidence: dict[str, Any] = Field(default_factory=lambda: {"name": "dspark-head"}, validate_default=True,
                                        description="confidence head trained with it: dspark-head + its keys, or none")
     seed: int = Field(0, description="seed of the backbone's initialisation")
+    qk_norm: bool | None = Field(
+        None, description="per-head RMSNorm of queries and keys in the draft layers; None: as the target's layers "
+                          "(True is what DeepSpec's and vLLM's Qwen3 DSpark/DFlash layouts hold: export needs it)")
     norm_init_scale: float | None = Field(
         0.1, gt=0, description="initial final-norm weights: this times the target's final norm "
                                "(the scale its LM head was trained on); None: ones")
@@ -171,7 +174,8 @@ class BlockTraining:
         return BlockDrafterConfig.from_model_args(
             self.target.args, draft_layers=c.layers, gamma=c.gamma, predict_anchor=self.predict_anchor,
             target_layers=tuple(c.target_layers) if c.target_layers is not None else None,
-            draft_vocab_size=None if vocab is None else vocab.size)
+            draft_vocab_size=None if vocab is None else vocab.size,
+            **({} if c.qk_norm is None else {"qk_norm": c.qk_norm}))
 
     def prepare(self, summary: DataSummary) -> None:
         """With ``draft_vocab``: the N most frequent supervised tokens of the data become the
