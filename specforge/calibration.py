@@ -162,16 +162,20 @@ def calibration_table(result: dict[str, Any]) -> str:
     survival before → after."""
     from specforge.evaluation.report import fmt
 
-    lines = ["| T | k | rounds | ECE before → after | AUROC before → after | Brier before → after |",
+    # The floor: what a perfectly calibrated predictor with the calibrated predictions would score
+    # on this many rounds (metrics.ece_floor) — an ECE at its floor is as good as this n can show.
+    lines = ["| T | k | rounds | ECE before → after (floor) | AUROC before → after | Brier before → after |",
              "|---|---|---|---|---|---|"]
     for t, r in result["temperatures"].items():
         b, a = r["held_out"]["before"], r["held_out"]["after"]
         for pb, pa in zip(b["positions"], a["positions"]):
-            lines.append(f"| {t} | {pb['k']} | {pb['n']} | {fmt(pb['ece'], '.3f')} → {fmt(pa['ece'], '.3f')} | "
+            lines.append(f"| {t} | {pb['k']} | {pb['n']} | {fmt(pb['ece'], '.3f')} → {fmt(pa['ece'], '.3f')} "
+                         f"({fmt(pa.get('ece_floor'), '.3f')}) | "
                          f"{fmt(pb.get('auroc'), '.3f')} → {fmt(pa.get('auroc'), '.3f')} | "
                          f"{fmt(pb.get('brier'), '.3f')} → {fmt(pa.get('brier'), '.3f')} |")
         ob, oa = b["overall"], a["overall"]
-        lines.append(f"| {t} | all | {ob.get('n', '')} | {fmt(ob['ece'], '.3f')} → {fmt(oa['ece'], '.3f')} | "
+        lines.append(f"| {t} | all | {ob.get('n', '')} | {fmt(ob['ece'], '.3f')} → {fmt(oa['ece'], '.3f')} "
+                     f"({fmt(oa.get('ece_floor'), '.3f')}) | "
                      f"{fmt(ob.get('auroc'), '.3f')} → {fmt(oa.get('auroc'), '.3f')} | "
                      f"{fmt(ob.get('brier'), '.3f')} → {fmt(oa.get('brier'), '.3f')} |")
     return "\n".join(lines)

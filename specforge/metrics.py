@@ -31,6 +31,7 @@ __all__ = [
     "calibration_report",
     "conditional_acceptance",
     "ece",
+    "ece_floor",
     "prefix_survival",
     "reliability_bins",
     "survival_outcomes",
@@ -79,6 +80,19 @@ def ece(pred: Tensor, observed: Tensor, bins: int = 20) -> float:
     """Expected calibration error with ``bins`` equal-width bins, the last one closed at 1."""
     p, o = _pair(pred, observed)
     return float(batched_ece(p[None], o, bins)[0])
+
+
+def ece_floor(pred: Tensor, bins: int = 20, draws: int = 200, seed: int = 0) -> float:
+    """The ECE a *perfectly calibrated* predictor scores with these predictions: the mean ECE of
+    outcomes drawn from ``pred`` itself.  ECE is biased upwards by sampling noise (≈ Σ_b (n_b/N)
+    √(2 p_b(1−p_b)/(π n_b))), so a measured ECE means little until compared with this floor:
+    a few thousand rounds alone put it near 1–2 %."""
+    p = pred.detach().to(device="cpu", dtype=torch.float64).flatten().clamp(0, 1)
+    if p.numel() == 0:
+        return math.nan
+    g = torch.Generator().manual_seed(seed)
+    drawn = (torch.rand(draws, p.numel(), generator=g, dtype=torch.float64) < p).to(torch.float64)
+    return float(batched_ece(p.expand(draws, -1), drawn, bins).mean())
 
 
 def reliability_bins(pred: Tensor, observed: Tensor, bins: int = 20) -> dict[str, list]:
@@ -218,6 +232,7 @@ def calibration_report(
             "predicted": float(pred.mean()) if pred.numel() else math.nan,
             "observed": float(out.mean()) if out.numel() else math.nan,
             "ece": ece(pred, out, bins),
+            "ece_floor": ece_floor(pred, bins),
             "auroc": auroc(pred, out),
             "brier": brier(pred, out),
             "n_conditional": int(r.sum()),
@@ -229,6 +244,7 @@ def calibration_report(
     overall = {
         "n": int(verified.sum()),
         "ece": ece(pred, out, bins),
+        "ece_floor": ece_floor(pred, bins),
         "auroc": auroc(pred, out),
         "brier": brier(pred, out),
         "reliability": reliability_bins(pred, out, bins),

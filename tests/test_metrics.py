@@ -15,6 +15,7 @@ from specforge.metrics import (
     calibration_report,
     conditional_acceptance,
     ece,
+    ece_floor,
     prefix_survival,
     reliability_bins,
     survival_outcomes,
@@ -57,6 +58,18 @@ def test_batched_ece_matches_ece():
     rows = batched_ece(pred, obs, bins=20)
     for i in range(3):
         assert rows[i].item() == pytest.approx(ece(pred[i], obs), abs=1e-15)
+
+
+def test_ece_floor_is_what_calibrated_outcomes_score_and_shrinks_as_one_over_root_n():
+    g = torch.Generator().manual_seed(1)
+    small, large = torch.rand(500, generator=g, dtype=torch.float64), torch.rand(8000, generator=g, dtype=torch.float64)
+    # outcomes drawn from the predictions themselves: their ECE scatters around the floor
+    scores = [ece(small, (torch.rand(500, generator=g, dtype=torch.float64) < small).double()) for _ in range(200)]
+    floor = ece_floor(small)
+    assert abs(sum(scores) / len(scores) - floor) < 0.1 * floor
+    assert ece_floor(large) == pytest.approx(floor * (500 / 8000) ** 0.5, rel=0.15)
+    assert math.isnan(ece_floor(torch.tensor([], dtype=torch.float64)))
+    assert ece_floor(torch.tensor([0.0, 1.0, 1.0])) == 0.0  # certain predictions: nothing to scatter
 
 
 def test_reliability_bins_by_hand():
