@@ -12,6 +12,11 @@
    calibrator is fitted for the temperature it will serve), the calibrator is fitted and ECE,
    AUROC and Brier of the cumulative survival Π_{i≤k} ĉ_i are reported per position before and
    after, on the held-out rounds; its file and a reliability diagram (paper Fig. 6) are written.
+4. *Online* (``online``).  The fit rounds are replayed, in the order the engine verified them, into
+   a fresh online calibrator (``online-sts``: identity until it has seen enough) — exactly what it
+   observes while serving — and its ECE on the held-out rounds is traced against rounds seen,
+   beside the offline fit's.  Then a shift of the prompt mix: the code sets' rounds first, the
+   chat sets' after, scored on held-out chat rounds.  ``online.png`` draws both curves.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 
 from specforge.components import CalibrationData, RoundOutcome
 
-__all__ = ["CalibrateSettings", "RoundRecorder", "calibrate", "calibration_table"]
+__all__ = ["CalibrateSettings", "RoundRecorder", "calibrate", "calibration_table", "online_plot", "online_replay"]
 
 
 @dataclass
@@ -43,6 +48,10 @@ class CalibrateSettings:
     seed: int = 0
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # the calibrator's config keys
+    online: str | None = None  # an online calibrator to replay the rounds into (e.g. online-sts)
+    online_extra: dict[str, Any] = field(default_factory=dict)  # its config keys (window, refit_every, …)
+    online_every: int = 64  # rounds between the points of its curves
+    tolerance: float = 0.005  # "reached": pooled ECE within this of the offline fit's, from then on
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -147,9 +156,119 @@ def calibrate(pipeline: Any, settings: CalibrateSettings, out_dir: str | Path, t
             "rounds_fit": int(fit.confidence.shape[0]), "rounds_held_out": int(held.confidence.shape[0]),
             "calibrator_file": str(path), "fit": _params(fit_report), "held_out": {"before": before, "after": after},
         }
+        if settings.online:
+            sets = {o.request_id: prompts[order[o.request_id]].dataset for o in outputs}
+            online = online_replay(recorder.outcomes, order, sets, settings, host)
+            result["temperatures"][f"{t:g}"]["online"] = online
+            online_plot(online, out / f"online-{name}.png", title=f"{settings.online}, T = {t:g}")
     engine.round_observers.clear()
     (out / "calibration.json").write_text(json.dumps(result, indent=2, allow_nan=True))
     return result
+
+
+# Which eval sets are code and which are chat, for the shift of the prompt mix.
+CODE_SETS, CHAT_SETS = ("humaneval", "mbpp"), ("mt-bench",)
+
+
+def _single_rounds(outcomes: Sequence[RoundOutcome], keep) -> list[RoundOutcome]:
+    """The recorded rounds one request at a time, in the engine's order, of the requests ``keep`` accepts."""
+    return [RoundOutcome([rid], o.confidence[i:i + 1], o.available[i:i + 1], o.verified[i:i + 1],
+                         o.accepted[i:i + 1], o.temperature[i:i + 1])
+            for o in outcomes for i, rid in enumerate(o.request_ids) if keep(rid) and int(o.available[i]) > 0]
+
+
+def _data(rounds: Sequence[RoundOutcome]) -> CalibrationData:
+    recorder = RoundRecorder()
+    recorder.outcomes = list(rounds)
+    return recorder.data()
+
+
+def _pooled_ece(calibrator: Any, held: CalibrationData) -> float:
+    from specforge.metrics import calibration_report
+
+    return calibration_report(held, calibrator.apply(held.confidence))["overall"]["ece"]
+
+
+def _trace(calibrator: Any, stream: Sequence[RoundOutcome], held: CalibrationData, every: int) -> list[list[float]]:
+    """``[rounds seen, pooled held-out ECE]`` every ``every`` rounds while ``calibrator`` observes ``stream``."""
+    points = [[0, _pooled_ece(calibrator, held)]]
+    for n, outcome in enumerate(stream, 1):
+        calibrator.observe(outcome)
+        if n % every == 0 or n == len(stream):
+            points.append([n, _pooled_ece(calibrator, held)])
+    return points
+
+
+def _reached(points: list[list[float]], reference: float, tolerance: float, start: int = 0) -> int | None:
+    """Rounds after ``start`` from which the curve stays within ``tolerance`` of ``reference``."""
+    after = [p for p in points if p[0] >= start]
+    for i, (n, _) in enumerate(after):
+        if all(e <= reference + tolerance for _, e in after[i:]):
+            return int(n - start)
+    return None
+
+
+def online_replay(outcomes: Sequence[RoundOutcome], order: dict[int, int], sets: dict[int, str],
+                  settings: CalibrateSettings, host: Any) -> dict[str, Any]:
+    """Replay the fit rounds into fresh online calibrators (see the module docstring, step 4)."""
+    def fresh() -> Any:
+        calibrator = host.create_calibrator(settings.online, dict(settings.online_extra))
+        if not hasattr(calibrator, "observe"):
+            raise ValueError(f"calibrator {settings.online!r} does not observe rounds; it cannot recalibrate online")
+        return calibrator
+
+    def offline(rounds: Sequence[RoundOutcome]) -> Any:
+        calibrator = host.create_calibrator(settings.calibrator, dict(settings.extra))
+        calibrator.fit(_data(rounds))
+        return calibrator
+
+    fit_rounds = _single_rounds(outcomes, lambda rid: order[rid] % 2 == 0)
+    held = _data(_single_rounds(outcomes, lambda rid: order[rid] % 2 == 1))
+    reference = _pooled_ece(offline(fit_rounds), held)
+    calibrator = fresh()
+    curve = _trace(calibrator, fit_rounds, held, settings.online_every)
+    out: dict[str, Any] = {
+        "calibrator": settings.online, "state": calibrator.state(), "tolerance": settings.tolerance,
+        "mixed": {"rounds": len(fit_rounds), "offline_ece": reference, "curve": curve,
+                  "reached_after": _reached(curve, reference, settings.tolerance)},
+    }
+    code = [r for r in fit_rounds if sets[r.request_ids[0]] in CODE_SETS]
+    chat = [r for r in fit_rounds if sets[r.request_ids[0]] in CHAT_SETS]
+    if code and chat:
+        chat_held = _data(_single_rounds(outcomes, lambda rid: order[rid] % 2 == 1 and sets[rid] in CHAT_SETS))
+        chat_reference = _pooled_ece(offline(chat), chat_held)
+        shifted = _trace(fresh(), code + chat, chat_held, settings.online_every)
+        at_switch = next(e for n, e in reversed(shifted) if n <= len(code))
+        out["shift"] = {"from": list(CODE_SETS), "to": list(CHAT_SETS), "switch": len(code), "rounds": len(code + chat),
+                        "offline_ece": chat_reference, "ece_at_switch": at_switch, "curve": shifted,
+                        "recovered_after": _reached(shifted, chat_reference, settings.tolerance, start=len(code))}
+    return out
+
+
+def online_plot(online: dict[str, Any], path: Path, title: str) -> Path:
+    """Pooled held-out ECE against rounds observed: from identity on the mixed stream, and across
+    the code → chat shift, each with its offline fit as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from specforge.plots import save_figure
+
+    parts = [("mixed", "every set, in serving order")] + ([("shift", "code sets, then chat")] if "shift" in online else [])
+    fig, axes = plt.subplots(1, len(parts), figsize=(5.5 * len(parts), 3.6), squeeze=False)
+    for ax, (key, label) in zip(axes[0], parts):
+        part = online[key]
+        n, e = zip(*part["curve"])
+        ax.plot(n, e, marker=".", label=f"{online['calibrator']} (held-out ECE)")
+        ax.axhline(part["offline_ece"], ls="--", color="gray", label="offline fit")
+        if key == "shift":
+            ax.axvline(part["switch"], color="red", lw=0.8, label="prompt mix shifts")
+        ax.set_xlabel("rounds observed")
+        ax.set_ylabel("ECE of cumulative survival")
+        ax.set_title(label)
+        ax.legend(fontsize=7)
+    return save_figure(fig, path, title=title)
 
 
 def _params(report: dict[str, Any]) -> dict[str, Any]:
@@ -178,4 +297,18 @@ def calibration_table(result: dict[str, Any]) -> str:
                      f"({fmt(oa.get('ece_floor'), '.3f')}) | "
                      f"{fmt(ob.get('auroc'), '.3f')} → {fmt(oa.get('auroc'), '.3f')} | "
                      f"{fmt(ob.get('brier'), '.3f')} → {fmt(oa.get('brier'), '.3f')} |")
+    for t, r in result["temperatures"].items():
+        online = r.get("online")
+        if online is None:
+            continue
+        m = online["mixed"]
+        lines.append(f"\nT = {t}, {online['calibrator']} from identity over {m['rounds']} rounds in serving order: "
+                     f"held-out ECE {fmt(m['curve'][-1][1], '.3f')} (offline fit {fmt(m['offline_ece'], '.3f')}); within "
+                     f"{online['tolerance']:g} of it after {m['reached_after'] if m['reached_after'] is not None else 'never'} rounds")
+        if "shift" in online:
+            sh = online["shift"]
+            lines.append(f"T = {t}, shift {'+'.join(sh['from'])} → {'+'.join(sh['to'])} after {sh['switch']} rounds: "
+                         f"chat ECE {fmt(sh['ece_at_switch'], '.3f')} at the switch, {fmt(sh['curve'][-1][1], '.3f')} at "
+                         f"the end (offline chat fit {fmt(sh['offline_ece'], '.3f')}); recovered after "
+                         f"{sh['recovered_after'] if sh['recovered_after'] is not None else 'never'} rounds")
     return "\n".join(lines)

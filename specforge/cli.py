@@ -258,7 +258,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     pipeline = load_pipeline(args.config or ["dspark"], args.overrides)
     settings = CalibrateSettings(datasets=args.dataset or CalibrateSettings.datasets, prompts=args.prompts,
                                  max_new_tokens=args.max_new_tokens, temperatures=args.temperature,
-                                 calibrator=args.calibrator, eval_dir=args.eval_dir, seed=args.seed)
+                                 calibrator=args.calibrator, eval_dir=args.eval_dir, seed=args.seed,
+                                 online=args.online,
+                                 online_extra={} if args.online_window is None else {"window": args.online_window})
     result = calibrate(pipeline, settings, args.out)
     print(json.dumps(result, indent=2) if args.json else calibration_table(result))
     files = ", ".join(r["calibrator_file"] for r in result["temperatures"].values())
@@ -725,6 +727,12 @@ def _add_calibrate(sub) -> None:
     ca.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     ca.add_argument("--max-new-tokens", type=int, default=128)
     ca.add_argument("--calibrator", default="sts", help="the registered calibrator to fit")
+    ca.add_argument("--online", nargs="?", const="online-sts", default=None, metavar="CALIBRATOR",
+                    help="also replay the fit rounds, in serving order, into this online calibrator (default "
+                         "online-sts) from identity, and across a code → chat shift: held-out ECE against rounds "
+                         "seen (online-T<t>.png)")
+    ca.add_argument("--online-window", type=int, default=None, metavar="ROUNDS",
+                    help="the online calibrator's window (its memory; it follows a shift within about one window)")
     ca.add_argument("--eval-dir", default=None, metavar="DIR")
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--out", default="runs/calibrate")

@@ -96,3 +96,40 @@ def test_the_engine_tells_an_online_calibrator_each_verified_round_after_it():
     drafted = sum(o.stats.rounds for o in outs)
     state = calibrator.state()
     assert 0 < state["rounds_seen"] <= drafted and state["fits"] >= 1
+
+
+def _rounds(n: int, temperature: float, first_id: int, g: torch.Generator) -> list[RoundOutcome]:
+    """Rounds whose raw confidences are miscalibrated by a known temperature: the true chance of
+    accepting slot k is sigmoid(logit(c_k) / temperature)."""
+    out = []
+    for i in range(n):
+        c = 0.2 + 0.7 * torch.rand(3, generator=g, dtype=torch.float64)
+        true = torch.sigmoid(torch.logit(c) / temperature)
+        ok = torch.rand(3, generator=g, dtype=torch.float64) < true
+        accepted = int(ok.long().cumprod(0).sum())
+        out.append(RoundOutcome([first_id + i], c[None], torch.tensor([3]), torch.tensor([3]), torch.tensor([accepted]),
+                                torch.ones(1)))
+    return out
+
+
+def test_online_replay_reaches_the_offline_fit_and_recovers_after_a_shift():
+    from specforge.calibration import CalibrateSettings, online_replay
+    from specforge.plugins import PluginHost
+
+    g = torch.Generator().manual_seed(0)
+    # code: confidences far too timid (true logits 4x theirs); chat: calibrated as they are
+    code, chat = _rounds(1000, 0.25, 0, g), _rounds(1000, 1.0, 10_000, g)
+    # even request ids fit, odd ones score; the serving order interleaves the two sets' requests
+    stream = [r for pair in zip(code, chat) for r in pair]
+    order = {r.request_ids[0]: r.request_ids[0] for r in stream}
+    sets = {r.request_ids[0]: ("humaneval" if r.request_ids[0] < 10_000 else "mt-bench") for r in stream}
+    settings = CalibrateSettings(online="online-sts", online_every=50, tolerance=0.01,
+                                 online_extra={"window": 256, "refit_every": 32, "min_rounds": 64})
+    online = online_replay(stream, order, sets, settings, PluginHost().load())
+    mixed, shift = online["mixed"], online["shift"]
+    assert mixed["curve"][0][0] == 0 and mixed["curve"][-1][0] == mixed["rounds"] == 1000
+    assert mixed["curve"][0][1] > mixed["offline_ece"] + 0.01  # identity: miscalibrated
+    assert mixed["reached_after"] is not None and mixed["reached_after"] < 1000
+    assert shift["switch"] == 500 and shift["ece_at_switch"] > shift["offline_ece"] + 0.01  # fitted for code
+    assert shift["recovered_after"] is not None and shift["recovered_after"] <= 500
+    assert online["state"]["fits"] > 0 and online["state"]["rounds_seen"] == 1000
