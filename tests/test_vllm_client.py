@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specforge.bench.vllm_client import VllmNotInstalled, find_vllm_python
-from specforge.bench.vllm_drafter import VllmDrafterSettings, passed, run_vllm_drafter
+from specforge.bench.vllm_drafter import VllmDrafterSettings, passed, run_vllm_drafter, table
 from specforge.config import ConfigError, EngineConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest
 from specforge.evalsets import apply_chat_template, select_prompts
@@ -85,6 +85,7 @@ def test_vllm_serves_an_eagle3_drafter_trained_here_losslessly_and_accepts_as_mu
     drafter = _memorising_drafter(target, prompt_ids, tmp_path / "train")
     settings = VllmDrafterSettings(datasets=("gsm8k",), prompts=PROMPTS, max_new_tokens=NEW, trials=1)
     result = run_vllm_drafter(drafter, settings, tmp_path / "out")
+    print(table(result))  # pytest -s shows both systems side by side
     assert "vllm_failed" not in result["checks"], result["checks"]
     assert result["specforge"]["acceptance_length"] > 1.5  # the drafter is accepted: the comparison means something
     assert passed(result), result["checks"]
