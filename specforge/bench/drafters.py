@@ -66,7 +66,8 @@ class DraftersBench(BaseModel):
     train: list[str] = Field(default_factory=lambda: ["cpu"],
                              description="training presets or YAML files every method shares (data, features, optimizer)")
     overrides: list[str] = Field(default_factory=list, description="key=value overrides of that shared training config")
-    budget_minutes: float = Field(45.0, gt=0, description="training wall-clock minutes per method")
+    budget_minutes: float = Field(60.0, gt=0, description="training wall-clock minutes per method (at the "
+                                                          "process's thread count: say which when you quote it)")
     probe_steps: int = Field(6, ge=2, description="steps timed to turn the budget into a step count")
     eval_points: int = Field(8, ge=1, description="held-out evaluations over a method's run (the learning curve)")
     methods: dict[str, BenchMethod]
