@@ -30,7 +30,8 @@ from specforge.errors import SpecforgeError
 from specforge.files import replace_atomically
 
 __all__ = ["CheckpointFormat", "InteropError", "check_shapes", "drop_frozen", "export_checkpoint",
-           "import_checkpoint", "load_tensors", "mismatch", "read_config", "require_safetensors"]
+           "import_checkpoint", "load_tensors", "mismatch", "read_config", "recorded_target", "require_safetensors",
+           "rope_theta", "target_tensor"]
 
 _PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
@@ -208,3 +209,50 @@ def import_checkpoint(directory: str | Path, out: str | Path, source_format: str
     method, fmt = hits[0]
     notes = _write(Path(out), lambda tmp: fmt.import_checkpoint(directory, tmp, target))
     return method, fmt.name, notes
+
+
+# -- the target a checkpoint records (layouts that copy its config or its frozen tensors) --------
+
+
+def rope_theta(config: dict[str, Any]) -> float | None:
+    """The RoPE base of an HF ``config.json`` (``rope_parameters`` in newer transformers, else top level)."""
+    rope = config.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    return None if theta is None else float(theta)
+
+
+def recorded_target(name: Any, shape: Any, fields: dict[str, str], source: Path) -> tuple[dict[str, Any], Path, Any]:
+    """The recorded target's ``config.json``, folder (a GGUF's cached conversion) and
+    :class:`~specforge.target.args.ModelArgs`, checked to be the one the drafter was trained for
+    (``fields``: the drafter shape's field → the ModelArgs attribute it must equal): layouts that
+    copy the target's config, or re-store its embedding, read them from here."""
+    from transformers import AutoConfig
+
+    from specforge.target.args import ModelArgs
+    from specforge.target.loading import converted_checkpoint
+
+    if not name:
+        raise InteropError(f"{source}: the checkpoint does not record its target, whose config the layout copies")
+    try:
+        directory = converted_checkpoint(str(name))
+        config = json.loads((directory / "config.json").read_text())
+        args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(str(directory), local_files_only=True))
+    except (SpecforgeError, OSError, ValueError) as exc:
+        raise InteropError(f"{source}: its target {name!r} cannot be read ({exc}); the layout copies the target's "
+                           "config") from None
+    wrong = mismatch({k: (getattr(shape, k), getattr(args, t)) for k, t in fields.items()})
+    if wrong:
+        raise InteropError(f"{source}: its recorded target {name!r} is another model — {wrong}")
+    return config, directory, args
+
+
+def target_tensor(directory: Path, *keys: str) -> Tensor:
+    """The first of ``keys`` found in the target's safetensors, read alone (not the whole model)."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            found = next((k for k in keys if k in f.keys()), None)
+            if found is not None:
+                return f.get_tensor(found)
+    raise InteropError(f"{directory}: none of {', '.join(keys)} in the target's safetensors")

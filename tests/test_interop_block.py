@@ -449,3 +449,18 @@ def test_a_sharded_folder_is_read_through_its_index(drafters, target, tmp_path):
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     import_checkpoint(out, tmp_path / "back", target=target)
     assert tensors_equal(drafters["gated-id"], tmp_path / "back")
+
+
+def test_a_target_that_scales_its_embeddings_is_refused(tmp_path):
+    gemma_dir = save_tiny("gemma", tmp_path / "gemma", seed=11, vocab=V, eos=None, layers=L)
+    gemma = TargetModel(tiny_model("gemma", seed=11, vocab=V, eos=None, layers=L), None, torch.float32,
+                        name=str(gemma_dir))
+    # SiLU so that the embedding scale is the one reason left (tiny Gemma's own MLP is GELU)
+    c = BlockDrafterConfig.from_model_args(gemma.args, draft_layers=1, gamma=4, target_layers=TAPS, qk_norm=True,
+                                           mask_token_id=MASK_ID, activation="silu")
+    save_drafter(tmp_path / "d", BlockBackbone(c, SharedWeights.from_target(gemma.runtime), seed=5), None, None,
+                 {"kind": "dspark"}, method="dspark", target=str(gemma_dir))
+    for fmt in ("deepspec", "vllm"):
+        with pytest.raises(InteropError, match=r"its target \(gemma\) scales its embeddings by 8 .* unscaled"):
+            export_checkpoint(tmp_path / "d", fmt, tmp_path / fmt)
+        assert not (tmp_path / fmt).exists()

@@ -73,12 +73,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from specforge.errors import SpecforgeError
-from specforge.interop import InteropError, check_shapes, drop_frozen, load_tensors, mismatch, read_config
+from specforge.interop import (InteropError, check_shapes, drop_frozen, load_tensors, mismatch, read_config,
+                               recorded_target, rope_theta, target_tensor)
 from specforge.vocab import DraftVocab, DraftVocabError
 from specforge_plugins.confidence import DSparkConfidence, DSparkHeadConfig
 from specforge_plugins.drafters.block.checkpoint import load_drafter, save_drafter
@@ -180,7 +179,10 @@ class BlockFormat:
         plan = _Plan(c, v_in=c.vocab_size + (learned and not deepspec), head="markov" if zero_head else kind,
                      rank=1 if zero_head else (0 if head is None else head.config.rank), conf=with_markov,
                      embed=deepspec or learned, lm_head=deepspec or vocab is not None)
-        target_config, target_dir = _target(meta.get("target"), c, source)
+        target_config, target_dir, args = recorded_target(meta.get("target"), c, TARGET_SHAPE, source)
+        if args.embed_scale != 1.0:  # ours multiplies the embedding by it, DeepSpec's and vLLM's Qwen3 do not
+            raise InteropError(f"{source}: its target ({args.family}) scales its embeddings by {args.embed_scale:g} "
+                               f"and this drafter with it; the Qwen3 layouts read embed_tokens unscaled")
         dtype = backbone.fc.weight.dtype
         state = backbone.state_dict()
         tensors = {key: state[ours] for key, ours in _TOP.items()}
@@ -204,11 +206,11 @@ class BlockFormat:
             tensors[_PROJ + ".weight"] = cs["proj.weight"] if with_markov else cs["proj.weight"][:, :c.dim]
             tensors[_PROJ + ".bias"] = cs["proj.bias"]
         if plan.embed:
-            embed = _target_tensor(target_dir, "model.embed_tokens.weight", "embed_tokens.weight").to(dtype)
+            embed = target_tensor(target_dir, "model.embed_tokens.weight", "embed_tokens.weight").to(dtype)
             tensors["embed_tokens.weight"] = (torch.cat([embed, backbone.mask_embed.detach()[None]]) if learned
                                               else embed)
         if plan.lm_head:
-            lm_head = _target_tensor(target_dir, "lm_head.weight", "model.embed_tokens.weight",
+            lm_head = target_tensor(target_dir, "lm_head.weight", "model.embed_tokens.weight",
                                      "embed_tokens.weight")  # a tied head is the embedding
             tensors["lm_head.weight"] = (lm_head if vocab is None else lm_head[vocab.ids]).to(dtype)
         if vocab is not None:
@@ -337,7 +339,7 @@ class BlockFormat:
             vocab_ok = n <= v and (v_in == v or (v_in > v and expanded))
             wrong = mismatch({"vocab_size": (v if vocab_ok else v_in, v),
                               **{k: (shape[k], getattr(a, t)) for k, t in TARGET_SHAPE.items() if k in shape}})
-            theirs, mine = _rope_theta(target.hf_model.config.to_dict()), _rope_theta(config)
+            theirs, mine = rope_theta(target.hf_model.config.to_dict()), rope_theta(config)
             if not wrong and None not in (theirs, mine) and theirs != mine:
                 wrong = f"RoPE base {mine} (target: {theirs})"
             if wrong:
@@ -358,7 +360,7 @@ class BlockFormat:
                 vocab_size=v, dim=d, n_heads=heads, n_kv_heads=shape["n_kv_heads"], head_dim=shape["head_dim"],
                 intermediate_size=int(config["intermediate_size"]), n_target_layers=int(depth),
                 norm_eps=float(config.get("rms_norm_eps", 1e-6)), qk_norm=True,
-                rope_theta=_rope_theta(config) or 10000.0, draft_layers=int(config["num_hidden_layers"]),
+                rope_theta=rope_theta(config) or 10000.0, draft_layers=int(config["num_hidden_layers"]),
                 target_layers=tuple(taps), predict_anchor=self.method == "dspark",
                 gamma=(int(gamma) - (self.method == "dflash")) if gamma else (16 if self.method == "dflash" else 7),
                 mask_token_id=None if learned else mask, draft_vocab_size=n if n < v else None)
@@ -495,45 +497,6 @@ def _tapped(config: dict[str, Any]) -> list[int] | None:
         return [int(i) - 1 for i in inputs]
     ids = (config.get("dflash_config") or {}).get("target_layer_ids") or config.get("target_layer_ids")
     return [int(i) for i in ids] if ids else None
-
-
-def _rope_theta(config: dict[str, Any]) -> float | None:
-    rope = config.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", config.get("rope_theta"))
-    return None if theta is None else float(theta)
-
-
-def _target(name: Any, c: BlockDrafterConfig, source: Path) -> tuple[dict[str, Any], Path]:
-    """The recorded target's config.json and folder (a GGUF's cached conversion), checked to be the
-    one the drafter was trained for: the layouts copy its config, and DeepSpec its embedding."""
-    from transformers import AutoConfig
-
-    from specforge.target.args import ModelArgs
-    from specforge.target.loading import converted_checkpoint
-
-    if not name:
-        raise InteropError(f"{source}: the checkpoint does not record its target, whose config the layout copies")
-    try:
-        directory = converted_checkpoint(str(name))
-        config = json.loads((directory / "config.json").read_text())
-        args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(str(directory), local_files_only=True))
-    except (SpecforgeError, OSError, ValueError) as exc:
-        raise InteropError(f"{source}: its target {name!r} cannot be read ({exc}); the layout copies the target's "
-                           "config") from None
-    wrong = mismatch({k: (getattr(c, k), getattr(args, t)) for k, t in TARGET_SHAPE.items()})
-    if wrong:
-        raise InteropError(f"{source}: its recorded target {name!r} is another model — {wrong}")
-    return config, directory
-
-
-def _target_tensor(directory: Path, *keys: str) -> Tensor:
-    """The first of ``keys`` found in the target's safetensors, read alone (not the whole model)."""
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            found = next((k for k in keys if k in f.keys()), None)
-            if found is not None:
-                return f.get_tensor(found)
-    raise InteropError(f"{directory}: none of {', '.join(keys)} in the target's safetensors")
 
 
 DSPARK_FORMATS = (BlockFormat("deepspec", "dspark"), BlockFormat("vllm", "dspark"))

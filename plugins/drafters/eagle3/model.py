@@ -10,7 +10,9 @@ layer of the target's shape reads, at position t, the pair (token x_{t+1}, hidde
 For committed positions s_t = g_t (the target's fused features); for its own drafts the model
 feeds back y of the previous step — which is what training-time test teaches it.  The embedding is
 the target's, frozen and shared; the LM head is the drafter's own, over a draft vocabulary when
-there is one (initialised from the target's rows).
+there is one (initialised from the target's rows).  With ``qk_norm`` (Qwen3's layers; DeepSpec's
+``Qwen3Eagle3Model``) queries and keys are RMS-normalised per head before RoPE; without it (the
+default, and every checkpoint that does not record it) they are not.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Eagle3Shape(BaseModel):
     max_positions: int = Field(8192, ge=1)
     layers: tuple[int, ...] = Field(description="the fused target layers (0-based outputs)")
     draft_vocab_size: int | None = Field(None, ge=1)
+    qk_norm: bool = Field(False, description="per-head RMSNorm of queries and keys before RoPE (Qwen3)")
 
     @model_validator(mode="after")
     def _check(self) -> Eagle3Shape:
@@ -116,6 +119,8 @@ class Eagle3Layer(nn.Module):
         self.wk = nn.Linear(2 * d, s.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(2 * d, s.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(s.n_heads * hd, d, bias=False)
+        if s.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(hd, s.norm_eps), RMSNorm(hd, s.norm_eps)
         self.mlp_norm = RMSNorm(d, s.norm_eps)
         self.w13 = nn.Linear(d, 2 * s.intermediate_size, bias=False)
         self.w2 = nn.Linear(s.intermediate_size, d, bias=False)
@@ -124,9 +129,11 @@ class Eagle3Layer(nn.Module):
         """``[..., d]`` each → rotated q ``[..., H, hd]``, k and v ``[..., KV, hd]``."""
         lead, s = emb.shape[:-1], self.s
         a = torch.cat([self.input_norm(emb), self.hidden_norm(hidden)], -1)
-        q = rotate(self.wq(a).view(*lead, s.n_heads, s.head_dim), cos, sin)
-        k = rotate(self.wk(a).view(*lead, s.n_kv_heads, s.head_dim), cos, sin)
-        return q, k, self.wv(a).view(*lead, s.n_kv_heads, s.head_dim)
+        q = self.wq(a).view(*lead, s.n_heads, s.head_dim)
+        k = self.wk(a).view(*lead, s.n_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rotate(q, cos, sin), rotate(k, cos, sin), self.wv(a).view(*lead, s.n_kv_heads, s.head_dim)
 
     def finish(self, hidden: Tensor, attended: Tensor) -> Tensor:
         """The residual from the hidden state, then the MLP: y ``[B, T, d]``."""
@@ -246,8 +253,11 @@ class Eagle3Model(nn.Module):
 def save_eagle3(directory: str | Path, model: Eagle3Model, config: dict[str, Any] | None = None, *,
                 target: str | None = None) -> Path:
     """Write ``model`` (+ free-form drafter ``config``: provenance) as an ``eagle3`` checkpoint."""
+    shape = model.shape.model_dump(mode="json")
+    if not shape["qk_norm"]:  # written only when set: without it the config is the one earlier versions read
+        del shape["qk_norm"]
     meta = {"format": FORMAT, "version": VERSION, "method": "eagle3", "target": target,
-            "eagle3": model.shape.model_dump(mode="json"), "drafter": config or {}}
+            "eagle3": shape, "drafter": config or {}}
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     tensors.update(vocab_tensors(model.vocab))
     return write_checkpoint(directory, meta, tensors)

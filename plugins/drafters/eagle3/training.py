@@ -40,6 +40,9 @@ class Eagle3TrainConfig(BaseModel):
     seed: int = Field(0, description="seed of the initialisation")
     draft_vocab: int | None = Field(None, ge=1, description="N: the drafter's LM head over the N most frequent tokens "
                                                             "of the training answers; None: the whole vocabulary")
+    qk_norm: bool | None = Field(
+        None, description="per-head RMSNorm of queries and keys in the draft layer; None: as the target's layers "
+                          "(True is what DeepSpec's Qwen3Eagle3Model holds: export --to deepspec needs it)")
 
 
 class _Module(nn.Module):
@@ -93,10 +96,11 @@ class Eagle3Training:
         self._module: _Module | None = None if config.draft_vocab is not None else self._build(None)
 
     def _shape(self, vocab: DraftVocab | None) -> Eagle3Shape:
-        c = self.settings
-        return Eagle3Shape.from_model_args(self.target.args, self.target.runtime,
+        c, args = self.settings, self.target.args
+        return Eagle3Shape.from_model_args(args, self.target.runtime,
                                            layers=tuple(c.target_layers) if c.target_layers else None,
-                                           draft_vocab_size=None if vocab is None else vocab.size)
+                                           draft_vocab_size=None if vocab is None else vocab.size,
+                                           qk_norm=args.qk_norm if c.qk_norm is None else c.qk_norm)
 
     def _build(self, vocab: DraftVocab | None) -> _Module:
         rt = self.target.runtime
