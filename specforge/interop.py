@@ -185,7 +185,8 @@ def export_checkpoint(source: str | Path, to: str, out: str | Path, host: Any = 
 def import_checkpoint(directory: str | Path, out: str | Path, source_format: str | None = None, target: Any = None,
                       host: Any = None) -> tuple[str, str, list[str]]:
     """Write a specforge checkpoint of the foreign checkpoint in ``directory`` under ``out``;
-    returns ``(method, format, notes)``.  ``source_format`` skips detection."""
+    returns ``(method, format, notes)``.  ``source_format`` limits detection to the formats of that
+    name (several methods may share one, e.g. ``vllm``; detection then picks the method)."""
     from specforge.plugins import get_host
 
     host = host or get_host()

@@ -155,7 +155,7 @@ def test_bad_input_is_one_error_naming_the_file_and_nothing_is_written(checkpoin
         with pytest.raises(InteropError, match=message):
             import_checkpoint(directory, out, target=target)
         assert not out.exists(), directory.name
-    with pytest.raises(InteropError, match=r"eagle3 exports to vllm, sglang, deepspec, hf, not 'medusa-1'"):
+    with pytest.raises(InteropError, match=r"eagle3 exports to vllm, sglang, deepspec, eagle, hf, not 'medusa-1'"):
         export_checkpoint(source, "medusa-1", tmp_path / "ds")
     assert not (tmp_path / "ds").exists()
 

@@ -464,3 +464,104 @@ def test_a_target_that_scales_its_embeddings_is_refused(tmp_path):
         with pytest.raises(InteropError, match=r"its target \(gemma\) scales its embeddings by 8 .* unscaled"):
             export_checkpoint(tmp_path / "d", fmt, tmp_path / fmt)
         assert not (tmp_path / fmt).exists()
+
+
+# -- sgl-project SpecForge's DFlash checkpoint (DFlashDraftModel: its --to hf export, normalised) ----------
+
+
+def specforge_dflash_folder(root: Path, stage: str, dtype=torch.float32, **config_changes) -> Path:
+    """A folder as sgl-project SpecForge @ a6b6b023 writes a DFlash drafter of the tiny Qwen3.
+
+    config.json: ``configs/qwen3-8b-dflash.json`` with the tiny sizes — ``stage="config"`` as
+    shipped (what ``export --to hf`` writes under transformers 4: ``rope_theta``, ``rope_scaling:
+    null``); ``"hf-export"`` as ``save_pretrained`` writes it under transformers 5
+    (``rope_parameters``) plus the top-level ``rope_theta`` of ``apply_legacy_rope_scaling``
+    (``specforge/export/checkpoint_io.py``); ``"normalized"`` that after
+    ``scripts/gates/normalize_dflash_export.py`` (``architectures: [DFlashDraftModel]``, no
+    ``auto_map``).  model.safetensors: ``DFlashDraftModel``'s state dict
+    (``specforge/modeling/draft/dflash.py``: ``layers.{i}`` Qwen3 layers with q/k norm, ``fc``,
+    ``hidden_norm``, ``norm``; ``rotary_emb`` not persistent; no embedding or LM head)."""
+    config = {"architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
+              "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": 6, "bos_token_id": 0,
+              "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": list(TAPS)},
+              "dtype": str(dtype).removeprefix("torch."), "eos_token_id": 1, "head_dim": 16, "hidden_act": "silu",
+              "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+              "layer_types": ["full_attention"] * 2, "max_position_embeddings": 40960, "max_window_layers": 2,
+              "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+              "num_target_layers": L, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+              "sliding_window": None, "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": False,
+              "vocab_size": V}
+    if stage != "config":  # transformers 5: rope_parameters, and the legacy mirror of rope_theta
+        del config["rope_scaling"]
+        config.update(rope_parameters={"rope_theta": 1000000, "rope_type": "default"}, pad_token_id=None,
+                      transformers_version="5.24.0")
+    if stage == "normalized":  # normalize_export: projector_type dflash → the architecture, auto_map dropped
+        config["architectures"] = ["DFlashDraftModel"]
+        config.pop("auto_map")
+    config.update(config_changes)
+    gen = torch.Generator().manual_seed(23)
+
+    def rnd(*shape, scale=0.1, base=0.0):
+        return (base + scale * torch.randn(*shape, generator=gen)).to(dtype)
+
+    d, hd, i = 64, 16, 128
+    t = {"fc.weight": rnd(d, len(TAPS) * d), "hidden_norm.weight": rnd(d, base=1.0), "norm.weight": rnd(d, base=1.0)}
+    for n in range(2):
+        p = f"layers.{n}."
+        t.update({p + "self_attn.q_proj.weight": rnd(4 * hd, d), p + "self_attn.k_proj.weight": rnd(2 * hd, d),
+                  p + "self_attn.v_proj.weight": rnd(2 * hd, d), p + "self_attn.o_proj.weight": rnd(d, 4 * hd),
+                  p + "self_attn.q_norm.weight": rnd(hd, base=1.0), p + "self_attn.k_norm.weight": rnd(hd, base=1.0),
+                  p + "input_layernorm.weight": rnd(d, base=1.0),
+                  p + "post_attention_layernorm.weight": rnd(d, base=1.0),
+                  p + "mlp.gate_proj.weight": rnd(i, d), p + "mlp.up_proj.weight": rnd(i, d),
+                  p + "mlp.down_proj.weight": rnd(d, i)})
+    root.mkdir()
+    save_file(t, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    return root
+
+
+@pytest.mark.parametrize("stage", ["config", "hf-export", "normalized"])
+def test_a_specforge_dflash_checkpoint_imports_drafts_the_same_and_exports_back_bit_for_bit(target, tmp_path, stage):
+    """SpecForge's DFlashDraftModel is our dflash (the block formats' docstring): its spec_generate
+    drafts ``[x0, MASK × (block_size − 1)]`` and samples the mask slots in place, over the context
+    strictly before the anchor — what ``reference`` computes from the foreign names alone."""
+    foreign = specforge_dflash_folder(tmp_path / "specforge", stage)
+    method, fmt, notes = import_checkpoint(foreign, tmp_path / "ours", target=target)
+    assert (method, fmt) == ("dflash", "vllm")  # vLLM's DFlashQwen3ForCausalLM reads this same layout
+    c = json.loads((tmp_path / "ours" / "config.json").read_text())["backbone"]
+    assert c["gamma"] == 5 and c["mask_token_id"] == MASK_ID and not c["predict_anchor"]
+    assert c["target_layers"] == list(TAPS) and c["draft_layers"] == 2 and c["draft_vocab_size"] is None
+    assert_same_function(tmp_path / "ours", foreign, target)
+    export_checkpoint(tmp_path / "ours", "vllm", tmp_path / "again")
+    assert tensors_equal(foreign, tmp_path / "again")  # the same tensors back (SpecForge's keys)
+
+
+def test_a_bfloat16_specforge_dflash_checkpoint_keeps_its_dtype(target, tmp_path):
+    foreign = specforge_dflash_folder(tmp_path / "specforge", "normalized", dtype=torch.bfloat16)  # materialize_draft
+    import_checkpoint(foreign, tmp_path / "ours", target=target)
+    assert load_file(str(tmp_path / "ours" / "model.safetensors"))["backbone.fc.weight"].dtype == torch.bfloat16
+    export_checkpoint(tmp_path / "ours", "vllm", tmp_path / "again")
+    assert tensors_equal(foreign, tmp_path / "again")
+
+
+def test_specforges_domino_and_sliding_window_drafters_are_refused(target, tmp_path):
+    """Domino (``modeling/draft/domino.py``) is a DFlash backbone with a GRU logits head, and
+    normalize_dflash_export.py gives it the DFlash architecture; qwen3.6-27b-dflash.json has
+    sliding-window layers (whose block attention is causal, ``create_dflash_block_mask``)."""
+    domino = {"projector_type": "domino", "emb_dim": 32, "gru_hidden_dim": 16, "mask_token_id": MASK_ID,
+              "target_layer_ids": list(TAPS)}
+    cases = [
+        (specforge_dflash_folder(tmp_path / "domino", "normalized", dflash_config=domino),
+         r"config.json: dflash_config.projector_type 'domino': sgl-project SpecForge's Domino drafter, a DFlash "
+         r"backbone with a logits head of its own .*; specforge's dflash drafter cannot compute it exactly"),
+        (specforge_dflash_folder(tmp_path / "domino-hf", "hf-export", dflash_config=domino,
+                                 architectures=["DominoDraftModel"]), r"an unknown checkpoint layout"),
+        (specforge_dflash_folder(tmp_path / "sliding", "normalized", use_sliding_window=True, sliding_window=4,
+                                 layer_types=["sliding_attention", "full_attention"]),
+         r"config.json: sliding-window draft layers; specforge's dflash drafter cannot compute it exactly"),
+    ]
+    for directory, message in cases:
+        with pytest.raises(InteropError, match=message):
+            import_checkpoint(directory, tmp_path / f"out-{directory.name}", target=target)
+        assert not (tmp_path / f"out-{directory.name}").exists()

@@ -58,6 +58,20 @@ and 47bd6d7c, ``qwen3_dflash.py`` @ 036a00d1, ``v1/worker/gpu/spec_decode/{dflas
    ``w13`` = ``gate_proj`` then ``up_proj``; no biases (``attention_bias: false``); SiLU MLP (vLLM's
    ``Qwen2MLP``); full, non-causal attention in every layer.
 
+sgl-project SpecForge's ``DFlashDraftModel`` (``specforge/modeling/draft/dflash.py`` @ a6b6b023) is
+vLLM's DFlash layout, written by its ``--to hf`` export (``save_pretrained``: ``architectures:
+[DFlashDraftModel]``, ``auto_map``, a Qwen3 config with ``block_size``, ``num_target_layers`` and
+``dflash_config.{mask_token_id, target_layer_ids}``; ``layers.*`` with q/k norm, ``fc``,
+``hidden_norm``, ``norm``; no embedding or LM head), which ``scripts/gates/normalize_dflash_export.py``
+leaves as it is but for dropping ``auto_map``.  Its ``spec_generate`` is our ``dflash``: the block
+``[x_0, MASK × (block_size − 1)]`` at the anchor's positions, ``draft_hidden[:, -block_size + 1:]``
+sampled in place (training: ``OnlineDFlashModel`` labels ``anchor + k``, slot 0 unweighted), context
+``hidden_norm(fc(…))`` of ``hidden_states[i + 1]`` projected by each layer's k/v, k-normed with the
+block's and rotated at the context's positions, seen strictly before the anchor
+(``create_dflash_block_mask``), the block bidirectional; ``norm`` then the target's LM head.  The
+``vllm`` import reads it; a Domino drafter (``dflash_config.projector_type: domino``, a GRU logits
+head — normalised to the same architecture) is refused, as are SpecForge's sliding-window layers.
+
 So an export writes the target's config.json plus the drafter's fields, the tensors of
 :meth:`_Plan.shapes` and — for DeepSpec, whose evaluator loads the folder alone — the target's
 embedding and LM head, read from the target the checkpoint records (``config.json``'s ``target``).
@@ -415,6 +429,10 @@ class BlockFormat:
                        r: int, depth: Any, path: Path) -> None:
         layers = config.get("layer_types") or []
         checks = [
+            (self.method == "dflash" and sub.get("projector_type") not in (None, "dflash"),
+             f"dflash_config.projector_type {sub.get('projector_type')!r}: sgl-project SpecForge's "
+             f"{str(sub.get('projector_type')).capitalize()} drafter, a DFlash backbone with a logits head of its own "
+             "(Domino: a GRU over the drafted prefix)"),
             (taps is None, "no tapped target layers (target_layer_ids)"),
             (taps is not None and -1 in taps, "it taps the target's embeddings (target layer -1), which specforge's "
                                               "drafters cannot read"),

@@ -1,10 +1,11 @@
-"""``eagle3`` checkpoints in the layouts vLLM and SGLang serve, and in DeepSpec's
-(:class:`DeepSpecEagle3Format`; docs/interop.md).
+"""``eagle3`` checkpoints in the layouts vLLM and SGLang serve, in the original EAGLE repository's
+(:class:`EagleRepoFormat`) and in DeepSpec's (:class:`DeepSpecEagle3Format`; docs/interop.md).
 
 Both engines load EAGLE-3 drafters from a Hugging Face-style folder: ``config.json`` naming the
 architecture ``LlamaForCausalLMEagle3`` and ``model.safetensors`` with the keys of their
 ``llama_eagle3.py`` (vLLM ``Eagle3LlamaForCausalLM.load_weights``, SGLang
-``LlamaForCausalLMEagle3.load_weights``; sgl-project SpecForge writes the same keys):
+``LlamaForCausalLMEagle3.load_weights``; sgl-project SpecForge writes the same keys, and SafeAILab/EAGLE's
+``cnets.Model`` — the reference they follow — has them under a ``LlamaForCausalLM`` config):
 
 =====================================================  ===========================  ============
 key                                                    ours (``model.*``)            shape
@@ -27,7 +28,8 @@ those layers (it adds 1 to capture them); vLLM reads a top-level
 writes our ids + 1 there and the SGLang one our ids.  Both hard-code three fused layers.  vLLM
 refuses unknown keys and SGLang drops them silently, so an export writes exactly the keys above —
 never the target's embedding — and checks every shape before anything is written.  Their Llama
-layer has no q/k norm, so a drafter trained with ``qk_norm`` goes to ``deepspec`` only.
+layer has no q/k norm, so a drafter trained with ``qk_norm`` goes to ``deepspec`` only.  EAGLE's
+own folder records no fused layers: they follow from the target's depth (:func:`eagle_repo_layers`).
 """
 
 from __future__ import annotations
@@ -37,15 +39,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from specforge.interop import (InteropError, check_shapes, drop_frozen, load_tensors, mismatch, read_config,
                                recorded_target, rope_theta, target_tensor)
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.checkpoints import TARGET_SHAPE
-from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, load_eagle3, save_eagle3
+from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, load_eagle3, rope_base, save_eagle3
 
-__all__ = ["EAGLE3_FORMATS", "DeepSpecEagle3Format", "Eagle3Format"]
+__all__ = ["EAGLE3_FORMATS", "DeepSpecEagle3Format", "Eagle3Format", "EagleRepoFormat", "eagle_repo_layers"]
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 _ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
@@ -82,7 +84,9 @@ def _expected(s: Eagle3Shape) -> dict[str, tuple[int, ...]]:
 
 
 class Eagle3Format:
-    """One serving engine's EAGLE-3 layout (see the module docstring)."""
+    """One serving engine's EAGLE-3 layout (see the module docstring).  The hooks
+    (``_export_checks``, ``_config``, ``_fused``, ``_import_checks``, ``_head_dim``) are where
+    :class:`EagleRepoFormat` — the same keys under another config — differs."""
 
     def __init__(self, name: str, engine: str, shift: int, full_vocab_maps: bool) -> None:
         self.name, self.engine, self._shift, self._full_maps = name, engine, shift, full_vocab_maps
@@ -91,21 +95,49 @@ class Eagle3Format:
 
     # -- export ---------------------------------------------------------------------------------
 
+    def _export_checks(self, s: Eagle3Shape) -> list[tuple[bool, str]]:
+        """``(failed, why)`` for each thing the layout cannot state, checked in order."""
+        return [(len(s.layers) != 3, f"fuses {len(s.layers)} target layers {list(s.layers)}; {self.engine}'s EAGLE-3 "
+                                     "loader hard-codes three (fc takes 3·hidden inputs)"),
+                *self._layer_checks(s)]
+
+    def _layer_checks(self, s: Eagle3Shape) -> list[tuple[bool, str]]:
+        """What every Llama EAGLE-3 layer (``midlayer``) lacks."""
+        return [
+            (s.qk_norm, f"the drafter RMS-normalises its queries and keys per head (qk_norm) and {self.engine}'s "
+                        "Llama EAGLE-3 layer has no q/k norm — export --to deepspec keeps it, or train with "
+                        "drafter.qk_norm=false"),
+            (s.rope_theta is None, "the checkpoint does not record its target's RoPE base (trained before specforge "
+                                   "stored it); train or re-save it with this version"),
+        ]
+
+    def _config(self, s: Eagle3Shape, draft_vocab_size: int, dtype: torch.dtype,
+                provenance: dict[str, Any]) -> dict[str, Any]:
+        """The layout's config.json."""
+        config = {
+            "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": s.dim,
+            "intermediate_size": s.intermediate_size, "num_attention_heads": s.n_heads,
+            "num_key_value_heads": s.n_kv_heads, "head_dim": s.head_dim, "num_hidden_layers": 1,
+            "hidden_act": _ACTIVATIONS[s.activation], "rms_norm_eps": s.norm_eps, "vocab_size": s.vocab_size,
+            "draft_vocab_size": draft_vocab_size, "rope_theta": s.rope_theta,
+            "max_position_embeddings": s.max_positions, "tie_word_embeddings": False, "attention_bias": False,
+            "target_hidden_size": s.dim, "torch_dtype": str(dtype).removeprefix("torch."),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(s.layers), "use_aux_hidden_state": True},
+            "specforge": provenance,
+        }
+        if self._shift:  # vLLM: the inputs of layers i + 1 = the outputs of layers i
+            config["eagle_aux_hidden_state_layer_ids"] = [i + self._shift for i in s.layers]
+        return config
+
     def export(self, source: Path, out: Path) -> list[str]:
         model, drafter = load_eagle3(source)
         s = model.shape
         notes = []
-        if len(s.layers) != 3:
-            raise InteropError(f"{source}: fuses {len(s.layers)} target layers {list(s.layers)}; {self.engine}'s "
-                               "EAGLE-3 loader hard-codes three (fc takes 3·hidden inputs)")
-        if s.qk_norm:
-            raise InteropError(f"{source}: the drafter RMS-normalises its queries and keys per head (qk_norm) "
-                               f"and {self.engine}'s Llama EAGLE-3 layer has no q/k norm — export --to deepspec "
-                               "keeps it, or train with drafter.qk_norm=false")
-        if s.rope_theta is None:
-            raise InteropError(f"{source}: the checkpoint does not record its target's RoPE base (trained before "
-                               "specforge stored it); train or re-save it with this version")
-        state = model.state_dict()
+        for failed, message in self._export_checks(s):
+            if failed:
+                raise InteropError(f"{source}: {message}")
+        dtype = _stored_dtype(source)
+        state = model.to(dtype).state_dict()  # in the dtype it was saved in (load_eagle3 builds float32)
         tensors = {key: state[ours] for key, ours in _SAME.items()}
         tensors[_GATE], tensors[_UP] = state["layer.w13.weight"].chunk(2, dim=0)
         vocab = model.vocab or DraftVocab(torch.arange(s.vocab_size), s.vocab_size)
@@ -117,20 +149,9 @@ class Eagle3Format:
         else:  # vLLM builds no d2t parameter for the whole vocabulary, and refuses a tensor it has no slot for
             del expected["d2t"], expected["t2d"]
         check_shapes(tensors, expected, source)
-        config = {
-            "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": s.dim,
-            "intermediate_size": s.intermediate_size, "num_attention_heads": s.n_heads,
-            "num_key_value_heads": s.n_kv_heads, "head_dim": s.head_dim, "num_hidden_layers": 1,
-            "hidden_act": _ACTIVATIONS[s.activation], "rms_norm_eps": s.norm_eps, "vocab_size": s.vocab_size,
-            "draft_vocab_size": vocab.size, "rope_theta": s.rope_theta,
-            "max_position_embeddings": s.max_positions, "tie_word_embeddings": False, "attention_bias": False,
-            "target_hidden_size": s.dim, "torch_dtype": str(state["fc.weight"].dtype).removeprefix("torch."),
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(s.layers), "use_aux_hidden_state": True},
-            "specforge": {"method": "eagle3", "target": json.loads((source / "config.json").read_text()).get("target"),
-                          "n_target_layers": s.n_target_layers, "drafter": drafter},
-        }
-        if self._shift:  # vLLM: the inputs of layers i + 1 = the outputs of layers i
-            config["eagle_aux_hidden_state_layer_ids"] = [i + self._shift for i in s.layers]
+        provenance = {"method": "eagle3", "target": json.loads((source / "config.json").read_text()).get("target"),
+                      "n_target_layers": s.n_target_layers, "drafter": drafter}
+        config = self._config(s, vocab.size, dtype, provenance)
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return notes
@@ -144,17 +165,39 @@ class Eagle3Format:
         top = "eagle_aux_hidden_state_layer_ids" in config
         return top if self._shift else not top  # vLLM's layout carries the top-level ids, SGLang's not
 
+    def _fused(self, config: dict[str, Any], path: Path, target: Any) -> tuple[list[int], int | None]:
+        """The fused layers (0-based outputs) the folder names, and the target's depth when it
+        follows from them (None: read from the recorded config or ``target`` afterwards)."""
+        if self._shift:
+            return [int(i) - self._shift for i in config["eagle_aux_hidden_state_layer_ids"]], None
+        return [int(i) for i in (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []], None
+
+    def _import_checks(self, config: dict[str, Any], directory: Path, target: Any) -> list[str]:
+        """Refusals beyond the shared ones (raise); returns notes.  sgl-project SpecForge's
+        ``LlamaForCausalLMEagle3`` (``specforge/modeling/draft/llama3_eagle.py`` @ a6b6b023) has two
+        options of its own, which it records in this layout's config: ``norm_output: false`` (logits
+        of the layer output without the final norm) and ``fc_norm: true`` (an RMSNorm per fused
+        state before ``fc``) — neither is our drafter's function."""
+        path = directory / "config.json"
+        if config.get("norm_output") is False:
+            raise InteropError(f"{path}: norm_output: false — sgl-project SpecForge's drafter then takes logits of "
+                               "the layer output without the final norm, and specforge's eagle3 drafter of norm(y)")
+        if config.get("fc_norm"):
+            raise InteropError(f"{path}: fc_norm: true — sgl-project SpecForge's drafter then RMS-normalises each "
+                               "fused state before fc, which specforge's eagle3 drafter does not")
+        return []
+
+    def _head_dim(self, config: dict[str, Any]) -> int:
+        return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
     def import_checkpoint(self, directory: Path, out: Path, target: Any = None) -> list[str]:
         config = read_config(directory) or {}
         weights, tensors = load_tensors(directory)
-        notes = []
-        if self._shift:
-            layers = [int(i) - self._shift for i in config["eagle_aux_hidden_state_layer_ids"]]
-        else:
-            layers = [int(i) for i in (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []]
         if int(config.get("num_hidden_layers", 1)) != 1:
             raise InteropError(f"{directory / 'config.json'}: num_hidden_layers={config['num_hidden_layers']}; the "
                                "eagle3 drafter has one layer")
+        notes = self._import_checks(config, directory, target)
+        layers, depth = self._fused(config, directory / "config.json", target)
         prefixed = {k.removeprefix("model."): v for k, v in tensors.items()}
         prefixed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
                     for k, v in prefixed.items()}
@@ -175,14 +218,14 @@ class Eagle3Format:
             shape = Eagle3Shape(
                 vocab_size=v, dim=int(config["hidden_size"]), n_heads=int(config["num_attention_heads"]),
                 n_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-                head_dim=int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]),
-                intermediate_size=int(config["intermediate_size"]), n_target_layers=max(layers) + 4 if layers else 1,
+                head_dim=self._head_dim(config), intermediate_size=int(config["intermediate_size"]),
+                n_target_layers=depth or (max(layers) + 4 if layers else 1),
                 norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 activation={v_: k for k, v_ in _ACTIVATIONS.items()}.get(config.get("hidden_act", "silu"), "silu"),
                 rope_theta=float(config.get("rope_theta", 10000.0)),
                 max_positions=int(config.get("max_position_embeddings", 8192)), layers=tuple(layers),
                 draft_vocab_size=n if n != v else None)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
             raise InteropError(f"{directory / 'config.json'}: not a usable EAGLE-3 config ({exc})") from None
         target_layers = (config.get("specforge") or {}).get("n_target_layers")
         if target_layers:
@@ -208,8 +251,195 @@ class Eagle3Format:
         dtype = state["fc.weight"].dtype
         model.to(dtype).load_state_dict(state)
         save_eagle3(out, model, {"kind": "eagle3", "imported_from": str(directory), "format": self.name},
-                    target=(config.get("specforge") or {}).get("target"))
+                    target=(config.get("specforge") or {}).get("target") or getattr(target, "name", None))
         return notes
+
+
+def eagle_repo_layers(n_target_layers: int) -> tuple[int, ...] | None:
+    """The target layers SafeAILab/EAGLE's EAGLE-3 fuses, as our 0-based layer outputs.
+
+    Its target models (``eagle/model/modeling_llama_kv.py`` and ``modeling_qwen3_kv.py``,
+    ``LlamaModel.forward``/``Qwen3Model.forward``; ``traineagle3/modeling_llama_kv.py`` likewise)
+    append the hidden state *entering* decoder layer ``idx`` when ``idx == len(self.layers) - 3 or
+    idx == len(self.layers) // 2 or idx == 2`` — each layer once, in increasing order — and
+    ``utils.py`` concatenates them in that order: the outputs of layers 1, n//2 − 1 and n − 4, which
+    is EAGLE-3's choice that :func:`eagle3_layers` (our default) makes too.  None where they are not
+    the outputs of three distinct layers (a target of fewer than 7 layers: EAGLE's ``fc`` reads
+    3·hidden inputs; with 3 layers the input of layer 0 is the embeddings, which we cannot tap)."""
+    n = n_target_layers
+    inputs = sorted({i for i in (2, n // 2, n - 3) if 0 <= i < n})
+    return tuple(i - 1 for i in inputs) if len(inputs) == 3 and inputs[0] >= 1 else None
+
+
+EAGLE_REPO_ARCH = "LlamaForCausalLM"
+
+
+class EagleRepoFormat(Eagle3Format):
+    """The original EAGLE repository's EAGLE-3 folder (``eagle``): what SafeAILab/EAGLE's
+    ``EaModel.from_pretrained(use_eagle3=True, ea_model_path=…)`` loads and its ``traineagle3``
+    writes — compared with SafeAILab/EAGLE @ cb7e0841 (``eagle/model/{ea_model,cnets,configs}.py``,
+    ``modeling_{llama,qwen3}_kv.py``, ``utils.py``; ``eagle/traineagle3/{cnets,main,config.json}``).
+
+    **The same keys as vLLM's and SGLang's layouts** (``cnets.Model``: ``midlayer.*``, ``fc``,
+    ``norm``, ``lm_head`` ``[N, d]``, buffers ``d2t``/``t2d``; the reference they follow) **and the
+    same function as our eagle3 drafter without** ``qk_norm``, point by point:
+
+    1. *Fusion.*  ``fc`` (``Linear(3·d → d)``, no bias — ``bias`` in the config is ignored by the
+       EAGLE-3 model) over the three captured states in increasing layer order, applied when the
+       hidden input is wider than the embedding (``forward``: ``hidden_states.shape[-1] !=
+       inputs_embeds.shape[-1]``), so never to the fed-back d-wide state.  The layers are not in the
+       config: :func:`eagle_repo_layers` of the target's depth.
+    2. *Layer.*  ``LlamaDecoderLayeremb``: residual = the hidden state; ``cat(input_layernorm(emb),
+       hidden_norm(hidden))`` — embedding first; q/k/v over 2d, no bias, no q/k norm; ``o_proj``;
+       ``post_attention_layernorm`` and ``LlamaMLP`` (down(act(gate)·up), ``hidden_act``).
+       ``head_dim`` is ``hidden_size // num_attention_heads`` (a config ``head_dim`` is ignored), so a
+       drafter whose heads are otherwise wide is refused.
+    3. *RoPE, positions, attention.*  ``LlamaRotaryEmbedding`` of the config's ``rope_theta``
+       (10000 when absent), unscaled unless ``rope_scaling`` (linear/dynamic); ours rotates with the
+       target's RoPE, so an export writes the recorded θ and an import with ``--target`` checks it.
+       ``topK_genrate``: row t = (token t + 1, hidden t) at position t, causal; draft step i at
+       position T + i attending to the context and its ancestors (the tree mask) — ours.
+    4. *Feedback, heads, vocabulary.*  The next step reads ``out_hidden`` before ``norm``; logits
+       ``lm_head(norm(h))`` over N draft ids, target id = id + ``d2t[id]``; with
+       ``vocab_size == draft_vocab_size`` the maps are deleted before loading (an export writes
+       none; an import ignores them).
+    5. *Embedding.*  ``embed_tokens`` is the target's, read unscaled from the base model unless the
+       config has ``target_hidden_size`` (then from the folder); ``traineagle3/main.py`` saves
+       without it (``exclude_frozen_parameters``).  An export writes none and no
+       ``target_hidden_size``; an import checks a re-stored copy against ``--target`` and drops it,
+       and refuses a target that scales its embeddings (Gemma; EAGLE's EAGLE-3 captures only from
+       its Llama and Qwen3 models).
+
+    ``EaModel`` loads with ``strict=False`` (a missing key silently stays random), so an export
+    writes exactly these keys; it casts the drafter to the target's dtype.  Its trainer saves
+    ``pytorch_model.bin`` (DeepSpeed's ``save_16bit_model``): a pickle, which specforge refuses —
+    convert it to ``model.safetensors`` first.  Numerics only: ``LlamaRMSNorm`` computes in float32.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("eagle", "EAGLE", 0, full_vocab_maps=False)
+        self.description = ("the original EAGLE repository's EAGLE-3 folder (SafeAILab/EAGLE EaModel: a "
+                            "LlamaForCausalLM config, midlayer.* keys, fused layers hard-coded from the target's "
+                            "depth)")
+
+    def _export_checks(self, s: Eagle3Shape) -> list[tuple[bool, str]]:
+        n, want = s.n_target_layers, eagle_repo_layers(s.n_target_layers)
+        return [
+            (want is None, f"its target has {n} layers, and EAGLE's hard-coded captures (the inputs of layers 2, "
+                           f"n//2 and n − 3: {sorted({2, n // 2, n - 3})}) are not the outputs of three distinct "
+                           "layers for it, while its fc reads 3·hidden inputs"),
+            (want is not None and tuple(s.layers) != want,
+             f"it fuses the target layers {list(s.layers)} and EAGLE hard-codes the outputs of layers "
+             f"{list(want or ())} for a {n}-layer target (the inputs of its layers 2, n//2, n − 3), recording "
+             "none in its config — train with the default drafter.target_layers, or export --to vllm or sglang, "
+             "which record the fused layers"),
+            (s.head_dim * s.n_heads != s.dim,
+             f"its attention is {s.n_heads} heads × {s.head_dim} wide and its hidden size {s.dim}; EAGLE's layer "
+             "derives head_dim = hidden_size / num_attention_heads"),
+            *self._layer_checks(s),
+        ]
+
+    def _config(self, s: Eagle3Shape, draft_vocab_size: int, dtype: torch.dtype,
+                provenance: dict[str, Any]) -> dict[str, Any]:
+        """``traineagle3/config.json``'s fields (``EConfig``): no layer ids, no ``head_dim``, no
+        ``target_hidden_size`` (EAGLE then reads the target's own embedding), ``draft_vocab_size``
+        always (``cnets.Model`` sizes ``lm_head`` from it); ``rope_theta`` the target's."""
+        return {
+            "architectures": [EAGLE_REPO_ARCH], "model_type": "llama", "hidden_act": _ACTIVATIONS[s.activation],
+            "hidden_size": s.dim, "intermediate_size": s.intermediate_size,
+            "max_position_embeddings": s.max_positions, "num_attention_heads": s.n_heads,
+            "num_key_value_heads": s.n_kv_heads, "num_hidden_layers": 1, "pretraining_tp": 1,
+            "rms_norm_eps": s.norm_eps, "rope_scaling": None, "rope_theta": s.rope_theta,
+            "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
+            "vocab_size": s.vocab_size, "draft_vocab_size": draft_vocab_size, "specforge": provenance,
+        }
+
+    def detect(self, directory: Path) -> bool:
+        """A one-layer ``LlamaForCausalLM`` config (not vLLM's/SGLang's ``LlamaForCausalLMEagle3``)
+        over ``midlayer.*`` and ``fc.weight`` tensors — a Llama model's own folder has neither."""
+        config = read_config(directory)
+        if not config or EAGLE_REPO_ARCH not in (config.get("architectures") or []) \
+                or config.get("num_hidden_layers") != 1:
+            return False
+        names = _tensor_names(directory)
+        return "fc.weight" in names and any(k.startswith("midlayer.") for k in names)
+
+    def _fused(self, config: dict[str, Any], path: Path, target: Any) -> tuple[list[int], int | None]:
+        recorded = (config.get("specforge") or {}).get("n_target_layers")
+        depth = int(recorded) if recorded else (None if target is None else target.args.n_layers)
+        if depth is None:
+            raise InteropError(f"{path}: EAGLE records no fused layers — it captures the inputs of the target's "
+                               "layers 2, n//2 and n − 3 — and the target's depth n is not recorded: import with "
+                               "--target")
+        if target is not None and depth != target.args.n_layers:
+            raise InteropError(f"{path.parent}: made for another target — n_target_layers {depth} "
+                               f"(target: {target.args.n_layers})")
+        layers = eagle_repo_layers(depth)
+        if layers is None:
+            raise InteropError(f"{path}: for a {depth}-layer target EAGLE's captures (the inputs of layers 2, n//2, "
+                               f"n − 3: {sorted({2, depth // 2, depth - 3})}) are not the outputs of three distinct "
+                               "layers, and its fc reads 3·hidden inputs")
+        return list(layers), depth
+
+    def _head_dim(self, config: dict[str, Any]) -> int:
+        return int(config["hidden_size"]) // int(config["num_attention_heads"])  # cnets.LlamaAttention
+
+    def _import_checks(self, config: dict[str, Any], directory: Path, target: Any) -> list[str]:
+        path, d, heads = directory / "config.json", config.get("hidden_size"), config.get("num_attention_heads")
+        try:
+            theta = float(config.get("rope_theta", 10000.0))  # LlamaRotaryEmbedding's default base
+        except (TypeError, ValueError):
+            raise InteropError(f"{path}: rope_theta {config.get('rope_theta')!r} is not a number") from None
+        checks = [
+            (isinstance(d, int) and isinstance(heads, int) and heads > 0 and d % heads != 0,
+             f"hidden_size {d} is not a multiple of num_attention_heads {heads} (EAGLE's layer derives head_dim "
+             "from them)"),
+            (config.get("target_hidden_size") not in (None, d),
+             f"target_hidden_size {config.get('target_hidden_size')} differs from hidden_size {d}: its fc reads a "
+             "target of another width, and specforge's eagle3 drafter fuses states of its own width"),
+            (config.get("rope_scaling") is not None,
+             f"its own RoPE scaling {config.get('rope_scaling')}, and specforge's eagle3 drafter rotates with the "
+             "target's RoPE"),
+        ]
+        for failed, message in checks:
+            if failed:
+                raise InteropError(f"{path}: {message}")
+        if target is None:
+            return ["not checked against a target (its RoPE base and embedding): import with --target"]
+        theirs = rope_base(target.runtime, target.args.head_dim)
+        if theirs is None or abs(theirs - theta) > 1e-5 * theta:
+            raise InteropError(f"{directory}: made for another target — RoPE base {theta:g} "
+                               f"(target: {'a scaled RoPE' if theirs is None else f'{theirs:g}'}); EAGLE rotates "
+                               "with its config's rope_theta (10000 when absent), specforge's eagle3 drafter with "
+                               "the target's RoPE")
+        if target.args.embed_scale != 1.0:
+            raise InteropError(f"{directory}: the target ({target.args.family}) scales its embeddings by "
+                               f"{target.args.embed_scale:g}, which EAGLE's drafter does not")
+        return []
+
+
+def _stored_dtype(source: Path) -> torch.dtype:
+    """The dtype an eagle3 checkpoint's weights were saved in (its ``fc`` weight alone is read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+        return f.get_tensor("model.fc.weight").dtype
+
+
+def _tensor_names(directory: Path) -> set[str]:
+    """The tensor names of a folder's ``model.safetensors`` (or the shards its index lists),
+    read from the headers; empty when there is none or it is unreadable."""
+    from safetensors import SafetensorError, safe_open
+
+    directory = Path(directory)
+    index = read_config(directory, "model.safetensors.index.json")
+    if index is not None and not (directory / "model.safetensors").is_file():
+        return set(index.get("weight_map") or {})
+    try:
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+            return set(f.keys())
+    except (OSError, SafetensorError, ValueError):
+        return set()
 
 
 DEEPSPEC_ARCH = "Qwen3Eagle3Model"
@@ -343,7 +573,7 @@ class DeepSpecEagle3Format:
             raise InteropError(f"{source}: its target ({args.family}) scales its embeddings by {args.embed_scale:g} "
                                "and this drafter with it; DeepSpec's Qwen3Eagle3Model reads its embed_tokens "
                                "unscaled")
-        dtype = load_file(str(source / "model.safetensors"))["model.fc.weight"].dtype  # as saved (load builds fp32)
+        dtype = _stored_dtype(source)  # as saved (load_eagle3 builds float32)
         state = model.to(dtype).state_dict()
         tensors = {key: state[ours] for key, ours in _DS_SAME.items()}
         tensors[_DS_GATE], tensors[_DS_UP] = state["layer.w13.weight"].chunk(2, dim=0)
@@ -456,4 +686,4 @@ class DeepSpecEagle3Format:
 # target's (loading one otherwise fails: "no module or parameter named 'draft_id_to_target_id'");
 # SGLang reads identity maps as the whole vocabulary.
 EAGLE3_FORMATS = (Eagle3Format("vllm", "vLLM", 1, full_vocab_maps=False),
-                  Eagle3Format("sglang", "SGLang", 0, full_vocab_maps=True), DeepSpecEagle3Format())
+                  Eagle3Format("sglang", "SGLang", 0, full_vocab_maps=True), DeepSpecEagle3Format(), EagleRepoFormat())
