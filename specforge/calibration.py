@@ -17,6 +17,8 @@
    observes while serving — and its ECE on the held-out rounds is traced against rounds seen,
    beside the offline fit's.  Then a shift of the prompt mix: the code sets' rounds first, the
    chat sets' after, scored on held-out chat rounds.  ``online.png`` draws both curves.
+5. *Replay.*  The rounds are saved (``rounds-T<t>.safetensors``, :func:`save_rounds`); ``--replay``
+   runs steps 2–4 on them again without decoding.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch
 
 from specforge.components import CalibrationData, RoundOutcome
 
-__all__ = ["CalibrateSettings", "RoundRecorder", "calibrate", "calibration_table", "online_plot", "online_replay"]
+__all__ = ["CalibrateSettings", "RoundRecorder", "calibrate", "calibration_table", "load_rounds", "online_plot",
+           "online_replay", "replay", "save_rounds"]
 
 
 @dataclass
@@ -107,8 +110,6 @@ def calibrate(pipeline: Any, settings: CalibrateSettings, out_dir: str | Path, t
     from specforge.engine import Engine, GenerationRequest
     from specforge.engine.engine import drafter_identity
     from specforge.evalsets import apply_chat_template
-    from specforge.metrics import calibration_report
-    from specforge.plots import reliability_diagram
     from specforge.plugins import get_host
     from specforge.target import TargetModel
 
@@ -138,30 +139,102 @@ def calibrate(pipeline: Any, settings: CalibrateSettings, out_dir: str | Path, t
                                       top_k=0, top_p=1.0, seed=settings.seed + i) for i, p in enumerate(ids)]
         outputs = engine.generate(requests)
         order = {o.request_id: i for i, o in enumerate(outputs)}  # prompt index of each request
-        fit = recorder.data(lambda rid: order[rid] % 2 == 0)
-        held = recorder.data(lambda rid: order[rid] % 2 == 1)
-        calibrator = host.create_calibrator(settings.calibrator, dict(settings.extra))
-        fit_report = calibrator.fit(fit)
-        if hasattr(calibrator, "fitted_for"):  # the engine refuses it for another drafter or γ
-            calibrator.fitted_for = {**drafter_identity(recording, engine.drafter), "temperature": t}
-        before = calibration_report(held)
-        after = calibration_report(held, calibrator.apply(held.confidence))
-        name = f"T{t:g}"
-        path = out / f"calibrator-{name}.safetensors"
-        calibrator.save(str(path))
-        reliability_diagram({"calibrator": settings.calibrator, "before": before, "after": after},
-                            out / f"reliability-{name}.png", per_position=True,
-                            title=f"held-out rounds, T = {t:g}")
-        result["temperatures"][f"{t:g}"] = {
-            "rounds_fit": int(fit.confidence.shape[0]), "rounds_held_out": int(held.confidence.shape[0]),
-            "calibrator_file": str(path), "fit": _params(fit_report), "held_out": {"before": before, "after": after},
-        }
-        if settings.online:
-            sets = {o.request_id: prompts[order[o.request_id]].dataset for o in outputs}
-            online = online_replay(recorder.outcomes, order, sets, settings, host)
-            result["temperatures"][f"{t:g}"]["online"] = online
-            online_plot(online, out / f"online-{name}.png", title=f"{settings.online}, T = {t:g}")
+        sets = {o.request_id: prompts[order[o.request_id]].dataset for o in outputs}
+        fitted_for = {**drafter_identity(recording, engine.drafter), "temperature": t}
+        save_rounds(out / f"rounds-T{t:g}.safetensors", recorder.outcomes, order, sets, fitted_for)
+        result["temperatures"][f"{t:g}"] = _fit_and_report(recorder.outcomes, order, sets, t, settings, out, host,
+                                                            fitted_for)
     engine.round_observers.clear()
+    (out / "calibration.json").write_text(json.dumps(result, indent=2, allow_nan=True))
+    return result
+
+
+def _fit_and_report(outcomes: Sequence[RoundOutcome], order: dict[int, int], sets: dict[int, str], t: float,
+                    settings: CalibrateSettings, out: Path, host: Any, fitted_for: dict[str, Any] | None) -> dict[str, Any]:
+    """Split one temperature's rounds by prompt, fit, save, score, plot (and replay online)."""
+    from specforge.metrics import calibration_report
+    from specforge.plots import reliability_diagram
+
+    recorder = RoundRecorder()
+    recorder.outcomes = list(outcomes)
+    fit = recorder.data(lambda rid: order[rid] % 2 == 0)
+    held = recorder.data(lambda rid: order[rid] % 2 == 1)
+    calibrator = host.create_calibrator(settings.calibrator, dict(settings.extra))
+    fit_report = calibrator.fit(fit)
+    if hasattr(calibrator, "fitted_for"):  # the engine refuses it for another drafter or γ
+        calibrator.fitted_for = fitted_for
+    before = calibration_report(held)
+    after = calibration_report(held, calibrator.apply(held.confidence))
+    name = f"T{t:g}"
+    path = out / f"calibrator-{name}.safetensors"
+    calibrator.save(str(path))
+    reliability_diagram({"calibrator": settings.calibrator, "before": before, "after": after},
+                        out / f"reliability-{name}.png", per_position=True, title=f"held-out rounds, T = {t:g}")
+    result = {"rounds_fit": int(fit.confidence.shape[0]), "rounds_held_out": int(held.confidence.shape[0]),
+              "calibrator_file": str(path), "fit": _params(fit_report), "held_out": {"before": before, "after": after}}
+    if settings.online:
+        online = online_replay(outcomes, order, sets, settings, host)
+        result["online"] = online
+        online_plot(online, out / f"online-{name}.png", title=f"{settings.online}, T = {t:g}")
+    return result
+
+
+def save_rounds(path: Path, outcomes: Sequence[RoundOutcome], order: dict[int, int], sets: dict[int, str],
+                fitted_for: dict[str, Any]) -> Path:
+    """The recorded rounds, one request's round per row in the engine's order, with each row's
+    prompt index and each prompt's set: ``specforge calibrate --replay`` fits and replays them
+    again (other calibrators, other online settings) without decoding."""
+    from safetensors.torch import save_file
+
+    rows = _single_rounds(outcomes, lambda rid: True)
+    width = max((r.confidence.shape[1] for r in rows), default=0)
+    conf = torch.full((len(rows), width), 0.5, dtype=torch.float64)
+    for j, r in enumerate(rows):
+        conf[j, : r.confidence.shape[1]] = r.confidence[0].to(torch.float64)
+    tensors = {"confidence": conf,
+               **{k: torch.cat([getattr(r, k) for r in rows]).long() if rows else torch.zeros(0, dtype=torch.long)
+                  for k in ("available", "verified", "accepted")},
+               "temperature": torch.cat([r.temperature for r in rows]).double() if rows else torch.zeros(0),
+               "prompt": torch.tensor([order[r.request_ids[0]] for r in rows], dtype=torch.long)}
+    datasets = {str(order[rid]): name for rid, name in sets.items()}
+    meta = {"format": "specforge-rounds", "datasets": json.dumps(datasets), "fitted_for": json.dumps(fitted_for)}
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def load_rounds(path: str | Path) -> tuple[list[RoundOutcome], dict[int, int], dict[int, str], dict[str, Any]]:
+    """What :func:`save_rounds` wrote: the rounds (request id = prompt index), the prompt order, each
+    prompt's set and what they were recorded with."""
+    from safetensors import SafetensorError, safe_open
+
+    from specforge.config import ConfigError
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            t = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError([f"--replay {path}: not a rounds file ({exc})"]) from None
+    if meta.get("format") != "specforge-rounds":
+        raise ConfigError([f"--replay {path}: not a rounds file written by specforge calibrate"])
+    rows = [RoundOutcome([int(p)], t["confidence"][j:j + 1], t["available"][j:j + 1], t["verified"][j:j + 1],
+                         t["accepted"][j:j + 1], t["temperature"][j:j + 1]) for j, p in enumerate(t["prompt"].tolist())]
+    sets = {int(k): v for k, v in json.loads(meta["datasets"]).items()}
+    return rows, {p: p for p in sets}, sets, json.loads(meta["fitted_for"])
+
+
+def replay(paths: Sequence[str | Path], settings: CalibrateSettings, out_dir: str | Path) -> dict[str, Any]:
+    """Fit, score (and replay online) the rounds of earlier ``specforge calibrate`` runs, without decoding."""
+    from specforge.plugins import get_host
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    host = get_host()
+    result: dict[str, Any] = {"replayed": [str(p) for p in paths], "settings": settings.to_dict(), "temperatures": {}}
+    for path in paths:
+        rows, order, sets, fitted_for = load_rounds(path)
+        t = float(fitted_for.get("temperature", rows[0].temperature[0] if rows else 0.0))
+        result["temperatures"][f"{t:g}"] = _fit_and_report(rows, order, sets, t, settings, out, host, fitted_for)
     (out / "calibration.json").write_text(json.dumps(result, indent=2, allow_nan=True))
     return result
 

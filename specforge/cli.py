@@ -253,15 +253,17 @@ def cmd_bench_vllm_drafter(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit a calibrator on a pipeline's own rounds (:mod:`specforge.calibration`)."""
-    from specforge.calibration import CalibrateSettings, calibrate, calibration_table
+    from specforge.calibration import CalibrateSettings, calibrate, calibration_table, replay
 
-    pipeline = load_pipeline(args.config or ["dspark"], args.overrides)
     settings = CalibrateSettings(datasets=args.dataset or CalibrateSettings.datasets, prompts=args.prompts,
                                  max_new_tokens=args.max_new_tokens, temperatures=args.temperature,
                                  calibrator=args.calibrator, eval_dir=args.eval_dir, seed=args.seed,
                                  online=args.online,
                                  online_extra={} if args.online_window is None else {"window": args.online_window})
-    result = calibrate(pipeline, settings, args.out)
+    if args.replay:
+        result = replay(args.replay, settings, args.out)
+    else:
+        result = calibrate(load_pipeline(args.config or ["dspark"], args.overrides), settings, args.out)
     print(json.dumps(result, indent=2) if args.json else calibration_table(result))
     files = ", ".join(r["calibrator_file"] for r in result["temperatures"].values())
     print(f"wrote {files}; calibration.json and reliability-*.png in {args.out}\n"
@@ -731,6 +733,9 @@ def _add_calibrate(sub) -> None:
                     help="also replay the fit rounds, in serving order, into this online calibrator (default "
                          "online-sts) from identity, and across a code → chat shift: held-out ECE against rounds "
                          "seen (online-T<t>.png)")
+    ca.add_argument("--replay", nargs="+", default=None, metavar="ROUNDS_FILE",
+                    help="fit and score the rounds-T<t>.safetensors of an earlier run instead of decoding (another "
+                         "--calibrator, other --online settings)")
     ca.add_argument("--online-window", type=int, default=None, metavar="ROUNDS",
                     help="the online calibrator's window (its memory; it follows a shift within about one window)")
     ca.add_argument("--eval-dir", default=None, metavar="DIR")

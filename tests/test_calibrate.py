@@ -51,6 +51,19 @@ def test_calibrate_fits_on_half_the_prompts_and_scores_the_other_half(tmp_path):
         assert len(res["fit"]["temperatures"]) == 3
     saved = json.loads((out / "calibration.json").read_text())
     assert saved["temperatures"].keys() == result["temperatures"].keys()
+    # the recorded rounds replay: the same fit and scores without decoding, plus the online replay
+    again = subprocess.run([sys.executable, "-m", "specforge", "calibrate", "--replay",
+                            str(out / "rounds-T1.safetensors"), "--online", "--out", str(tmp_path / "re"), "--json"],
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    replayed = json.loads(again.stdout)["temperatures"]["1"]
+    assert replayed["rounds_fit"] == result["temperatures"]["1"]["rounds_fit"]
+    assert replayed["fit"]["temperatures"] == result["temperatures"]["1"]["fit"]["temperatures"]
+    assert replayed["held_out"]["after"]["overall"]["ece"] == result["temperatures"]["1"]["held_out"]["after"]["overall"]["ece"]
+    assert replayed["online"]["mixed"]["rounds"] == replayed["rounds_fit"]
+    bad = subprocess.run([sys.executable, "-m", "specforge", "calibrate", "--replay", str(out / "calibrator-T1.safetensors"),
+                          "--out", str(tmp_path / "bad")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a rounds file written by specforge calibrate" in bad.stderr, bad.stderr[-2000:]
     # the fitted file serves
     served = subprocess.run([sys.executable, "-m", "specforge", "generate", "--config", str(cfg), "--prompt", "w7 w8",
                              "calibrator.name=sts", f"calibrator.path={out / 'calibrator-T1.safetensors'}",
