@@ -96,11 +96,25 @@ def _read(path: str | Path, name: str) -> dict[str, Tensor]:
     return tensors
 
 
-def _temperatures(path: str | Path, tensors: dict[str, Tensor]) -> Tensor:
-    """The one tensor of a temperature file, checked: non-empty, 1-D, finite and positive."""
+def _offsets(path: str | Path, tensors: dict[str, Tensor], temperatures: Tensor) -> Tensor | None:
+    """The optional offsets of an ``sts`` file (``offsets: true``), checked against its temperatures."""
+    b = tensors.get("offsets")
+    if b is None:
+        return None
+    if b.shape != temperatures.shape or not b.is_floating_point() or not torch.isfinite(b).all():
+        raise CalibratorFileError(f"{path}: 'offsets' must be finite and shaped like the temperatures "
+                                  f"{tuple(temperatures.shape)}, got {tuple(b.shape)}")
+    return b.to(torch.float64)
+
+
+def _temperatures(path: str | Path, tensors: dict[str, Tensor], offsets: bool = False) -> Tensor:
+    """The temperatures of a calibrator file, checked: non-empty, 1-D, finite and positive
+    (``offsets``: an ``offsets`` tensor may sit beside them)."""
     t = tensors.get("temperatures")
-    if t is None or set(tensors) != {"temperatures"}:
-        raise CalibratorFileError(f"{path}: expected exactly one tensor 'temperatures', found {sorted(tensors)}")
+    allowed = {"temperatures", "offsets"} if offsets else {"temperatures"}
+    if t is None or not set(tensors) <= allowed:
+        expected = "'temperatures' (and 'offsets')" if offsets else "exactly one tensor 'temperatures'"
+        raise CalibratorFileError(f"{path}: expected {expected}, found {sorted(tensors)}")
     if t.dim() != 1 or t.numel() == 0:
         raise CalibratorFileError(f"{path}: 'temperatures' must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
     if not t.is_floating_point() or not (torch.isfinite(t) & (t > 0)).all():
@@ -164,6 +178,12 @@ class _GridConfig(BaseModel):
 
 class STSConfig(_GridConfig):
     path: str | None = Field(None, description="load fitted temperatures from this file at construction")
+    offsets: bool = Field(
+        False, description="also fit an offset b_k per position, ĉ_k = σ(logit(c_k)/t_k + b_k) (Platt scaling, "
+                           "still order-preserving): for a position whose error is a shift, which a temperature "
+                           "alone cannot undo")
+    offset_max: float = Field(2.0, gt=0, description="offsets searched in [-offset_max, offset_max]")
+    offset_grid: int = Field(41, ge=3, description="offset grid points (b = 0 is always among them)")
     temperatures: list[PositiveFloat] | None = Field(
         None, description="fitted temperatures t_1..t_G given inline (instead of path)"
     )
@@ -193,6 +213,7 @@ class SequentialTemperatureScaling:
     def __init__(self, config: STSConfig | None = None) -> None:
         self.config = config or STSConfig()
         self.temperatures: Tensor | None = None
+        self.offsets: Tensor | None = None  # b_k (``offsets: true``); None: zero
         # The drafter, checkpoint, γ and temperature of the rounds it was fitted on, when known
         # (``specforge calibrate`` sets it; the engine refuses a mismatch with its pipeline).
         self.fitted_for: dict[str, Any] | None = None
@@ -208,18 +229,28 @@ class SequentialTemperatureScaling:
         # calibrated given its frozen prefix is never made worse on the fit rounds.
         return torch.cat([grid, torch.ones(1, dtype=torch.float64)]).unique()
 
-    def _search(self, logits: Tensor, prefix: Tensor, outcome: Tensor, grid: Tensor) -> float:
+    def _offset_grid(self) -> Tensor:
+        c = self.config
+        if not c.offsets:
+            return torch.zeros(1, dtype=torch.float64)
+        grid = torch.linspace(-c.offset_max, c.offset_max, c.offset_grid, dtype=torch.float64)
+        return torch.cat([grid, torch.zeros(1, dtype=torch.float64)]).unique()
+
+    def _search(self, logits: Tensor, prefix: Tensor, outcome: Tensor, grid: Tensor) -> tuple[float, float]:
+        """The (t, b) of the grids minimising the ECE of the cumulative product at this position."""
+        temps, offs = torch.cartesian_prod(grid, self._offset_grid()).unbind(1)
         n = logits.numel()
         step = max(1, _CHUNK // max(n, 1))
         scores = torch.cat([
-            batched_ece(prefix * torch.sigmoid(logits / g[:, None]), outcome, self.config.bins)
-            for g in grid.split(step)
+            batched_ece(prefix * torch.sigmoid(logits / t[:, None] + b[:, None]), outcome, self.config.bins)
+            for t, b in zip(temps.split(step), offs.split(step))
         ])
-        # Among (numerically) equal minima prefer the temperature closest to 1: the smallest
-        # change the data supports.
+        # Among (numerically) equal minima prefer the smallest change the data supports: the
+        # temperature closest to 1, then the offset closest to 0.
         best = scores <= scores.min() + 1e-12
-        distance = torch.where(best, grid.log().abs(), torch.full_like(grid, math.inf))
-        return float(grid[distance.argmin()])
+        distance = torch.where(best, temps.log().abs() + 1e-6 * offs.abs(), torch.full_like(temps, math.inf))
+        i = distance.argmin()
+        return float(temps[i]), float(offs[i])
 
     def fit(self, data: CalibrationData) -> dict[str, Any]:
         verified, survived = survival_outcomes(data)
@@ -229,38 +260,50 @@ class SequentialTemperatureScaling:
         grid = self._grid()
         prefix = torch.ones(logits.shape[0], dtype=torch.float64)  # Π_{i<k} ĉ_i, frozen
         temps: list[float] = []
+        offs: list[float] = []
         for j in range(logits.shape[1]):
             m = verified[:, j]
             if m.any():
-                t = self._search(logits[m, j], prefix[m], survived[m, j].to(torch.float64), grid)
+                t, b = self._search(logits[m, j], prefix[m], survived[m, j].to(torch.float64), grid)
             else:
                 # No round verified this position: nothing to fit, so carry the previous
-                # temperature (the same rule apply uses past the fitted block).
-                t = temps[-1] if temps else 1.0
+                # parameters (the same rule apply uses past the fitted block).
+                t, b = (temps[-1], offs[-1]) if temps else (1.0, 0.0)
             temps.append(t)
-            prefix = prefix * torch.sigmoid(logits[:, j] / t)
+            offs.append(b)
+            prefix = prefix * torch.sigmoid(logits[:, j] / t + b)
         before = calibration_report(data, bins=self.config.bins)
         self.temperatures = torch.tensor(temps, dtype=torch.float64)
+        self.offsets = torch.tensor(offs, dtype=torch.float64) if self.config.offsets else None
         after = calibration_report(data, self.apply(data.confidence), bins=self.config.bins)
-        return {"calibrator": self.name, "temperatures": temps, "before": before, "after": after}
+        report = {"calibrator": self.name, "temperatures": temps, "before": before, "after": after}
+        if self.config.offsets:
+            report["offsets"] = offs
+        return report
 
     def apply(self, confidence: Tensor) -> Tensor:
         if self.temperatures is None:
             raise RuntimeError("sts calibrator is not fitted: call fit() or give config.path")
         g, fitted = confidence.shape[-1], self.temperatures.numel()
         t = self.temperatures
-        if g > fitted:  # longer blocks than were fitted reuse the last temperature
-            t = torch.cat([t, t[-1:].expand(g - fitted)])
-        out = torch.sigmoid(_logit(confidence) / t[:g].to(confidence.device))
+        b = self.offsets if self.offsets is not None else torch.zeros_like(t)
+        if g > fitted:  # longer blocks than were fitted reuse the last position's parameters
+            t, b = torch.cat([t, t[-1:].expand(g - fitted)]), torch.cat([b, b[-1:].expand(g - fitted)])
+        out = torch.sigmoid(_logit(confidence) / t[:g].to(confidence.device) + b[:g].to(confidence.device))
         return out.to(confidence.dtype) if confidence.is_floating_point() else out
 
     def save(self, path: str) -> None:
         if self.temperatures is None:
             raise RuntimeError("sts calibrator is not fitted: nothing to save")
-        _write(path, self.name, {"temperatures": self.temperatures}, self.fitted_for)
+        tensors = {"temperatures": self.temperatures}
+        if self.offsets is not None:
+            tensors["offsets"] = self.offsets
+        _write(path, self.name, tensors, self.fitted_for)
 
     def load(self, path: str) -> None:
-        self.temperatures = _temperatures(path, _read(path, self.name))
+        tensors = _read(path, self.name)
+        self.temperatures = _temperatures(path, tensors, offsets=True)
+        self.offsets = _offsets(path, tensors, self.temperatures)
         self.fitted_for = _fitted_for(path)
 
 
@@ -366,6 +409,9 @@ class OnlineSTS:
                 raise
             self._sts.temperatures = _temperatures(path, _read(path, self.name))
             self._sts.fitted_for = _fitted_for(path)
+        if self._sts.offsets is not None:
+            raise CalibratorFileError(f"{path}: an sts fit with offsets; online-sts refits temperatures only — start "
+                                      "it from a fit without offsets")
 
 
 @hookimpl

@@ -251,6 +251,19 @@ def cmd_bench_vllm_drafter(args: argparse.Namespace) -> int:
     return EXIT_OK if passed(result) else EXIT_FAILURE
 
 
+def _key_values(items: list[str] | None, flag: str) -> dict[str, Any]:
+    """``KEY=VALUE`` options (values read as YAML scalars: ``true``, ``2.5``, ``text``)."""
+    import yaml
+
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError([f"{flag} {item!r}: expected KEY=VALUE"])
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit a calibrator on a pipeline's own rounds (:mod:`specforge.calibration`)."""
     from specforge.calibration import CalibrateSettings, calibrate, calibration_table, replay
@@ -258,7 +271,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     settings = CalibrateSettings(datasets=args.dataset or CalibrateSettings.datasets, prompts=args.prompts,
                                  max_new_tokens=args.max_new_tokens, temperatures=args.temperature,
                                  calibrator=args.calibrator, eval_dir=args.eval_dir, seed=args.seed,
-                                 online=args.online,
+                                 online=args.online, extra=_key_values(args.calibrator_option, "--calibrator-option"),
                                  online_extra={} if args.online_window is None else {"window": args.online_window})
     if args.replay:
         result = replay(args.replay, settings, args.out)
@@ -729,6 +742,8 @@ def _add_calibrate(sub) -> None:
     ca.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     ca.add_argument("--max-new-tokens", type=int, default=128)
     ca.add_argument("--calibrator", default="sts", help="the registered calibrator to fit")
+    ca.add_argument("--calibrator-option", action="append", metavar="KEY=VALUE",
+                    help="a key of the calibrator's config, e.g. offsets=true (sts: a Platt offset per position)")
     ca.add_argument("--online", nargs="?", const="online-sts", default=None, metavar="CALIBRATOR",
                     help="also replay the fit rounds, in serving order, into this online calibrator (default "
                          "online-sts) from identity, and across a code → chat shift: held-out ECE against rounds "

@@ -61,6 +61,11 @@ def test_calibrate_fits_on_half_the_prompts_and_scores_the_other_half(tmp_path):
     assert replayed["fit"]["temperatures"] == result["temperatures"]["1"]["fit"]["temperatures"]
     assert replayed["held_out"]["after"]["overall"]["ece"] == result["temperatures"]["1"]["held_out"]["after"]["overall"]["ece"]
     assert replayed["online"]["mixed"]["rounds"] == replayed["rounds_fit"]
+    platt = subprocess.run([sys.executable, "-m", "specforge", "calibrate", "--replay", str(out / "rounds-T1.safetensors"),
+                            "--calibrator-option", "offsets=true", "--out", str(tmp_path / "platt"), "--json"],
+                           capture_output=True, text=True)
+    assert platt.returncode == 0, platt.stderr[-3000:]
+    assert len(json.loads(platt.stdout)["temperatures"]["1"]["fit"]["offsets"]) == 3
     bad = subprocess.run([sys.executable, "-m", "specforge", "calibrate", "--replay", str(out / "calibrator-T1.safetensors"),
                           "--out", str(tmp_path / "bad")], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a rounds file written by specforge calibrate" in bad.stderr, bad.stderr[-2000:]

@@ -198,7 +198,8 @@ def test_malformed_files_name_the_file(tmp_path):
     cases = {
         "matrix": ({"temperatures": torch.ones(2, 2, dtype=torch.float64)}, header, "1-D"),
         "negative": ({"temperatures": torch.tensor([1.0, -2.0], dtype=torch.float64)}, header, "positive"),
-        "extra": ({"temperatures": torch.ones(2), "bias": torch.ones(2)}, header, "exactly one"),
+        "extra": ({"temperatures": torch.ones(2), "bias": torch.ones(2)}, header, r"'temperatures' \(and 'offsets'\)"),
+        "offsets": ({"temperatures": torch.ones(2), "offsets": torch.ones(3)}, header, "shaped like the temperatures"),
         "no_header": ({"temperatures": torch.ones(2)}, None, "not written by a specforge"),
         "old_format": ({"temperatures": torch.ones(2)}, {**header, "specforge.format": "0"}, "format"),
     }
@@ -321,3 +322,32 @@ def test_online_sts_saves_its_temperatures_and_warm_starts_from_an_offline_fit(t
         OnlineSTS().save(str(tmp_path / "none.safetensors"))
     with pytest.raises(CalibratorFileError, match="written by calibrator 'online-sts', not 'sts'"):
         SequentialTemperatureScaling(STSConfig(path=str(tmp_path / "online.safetensors")))
+
+
+def test_sts_offsets_fix_a_shift_that_a_temperature_cannot_and_keep_the_order(tmp_path):
+    # raw scores shifted (too low by 1 in logit) and over-confident: one temperature per position
+    # cannot undo a shift; a temperature and an offset can
+    gen = torch.Generator().manual_seed(7)
+    s = torch.sigmoid(torch.linspace(1.0, -0.5, G, dtype=torch.float64) + torch.randn(12000, G, generator=gen,
+                                                                                      dtype=torch.float64))
+    accepted = (torch.rand(12000, G, generator=gen, dtype=torch.float64) < s).long().cumprod(1).sum(1)
+    raw = torch.sigmoid(1.5 * torch.logit(s) - 1.0)
+    fit, held = CalibrationData(raw[:6000], accepted[:6000]), CalibrationData(raw[6000:], accepted[6000:])
+    plain, shifted = SequentialTemperatureScaling(), SequentialTemperatureScaling(STSConfig(offsets=True))
+    plain.fit(fit)
+    report = shifted.fit(fit)
+    assert len(report["offsets"]) == G and report["offsets"][0] > 0.3  # it raises the too-low scores
+    ece_plain = calibration_report(held, plain.apply(held.confidence))["positions"][0]["ece"]
+    ece_shift = calibration_report(held, shifted.apply(held.confidence))["positions"][0]["ece"]
+    assert ece_shift < 0.6 * ece_plain
+    out = shifted.apply(held.confidence)
+    for k in range(G):  # order-preserving per position
+        order = torch.argsort(held.confidence[:, k])
+        assert bool((out[order, k].diff() >= 0).all())
+    path = tmp_path / "sts-offsets.safetensors"
+    shifted.save(str(path))
+    again = SequentialTemperatureScaling(STSConfig(path=str(path)))
+    assert torch.equal(again.offsets, shifted.offsets) and torch.equal(again.apply(held.confidence), out)
+    with pytest.raises(CalibratorFileError, match=r"online-sts refits temperatures only"):
+        OnlineSTS(OnlineSTSConfig(path=str(path)))
+    assert plain.offsets is None and "offsets" not in plain.fit(fit)  # the default stays temperature-only
