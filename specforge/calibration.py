@@ -186,6 +186,8 @@ def save_rounds(path: Path, outcomes: Sequence[RoundOutcome], order: dict[int, i
     again (other calibrators, other online settings) without decoding."""
     from safetensors.torch import save_file
 
+    from specforge.files import replace_atomically
+
     rows = _single_rounds(outcomes, lambda rid: True)
     width = max((r.confidence.shape[1] for r in rows), default=0)
     conf = torch.full((len(rows), width), 0.5, dtype=torch.float64)
@@ -198,7 +200,8 @@ def save_rounds(path: Path, outcomes: Sequence[RoundOutcome], order: dict[int, i
                "prompt": torch.tensor([order[r.request_ids[0]] for r in rows], dtype=torch.long)}
     datasets = {str(order[rid]): name for rid, name in sets.items()}
     meta = {"format": "specforge-rounds", "datasets": json.dumps(datasets), "fitted_for": json.dumps(fitted_for)}
-    save_file(tensors, str(path), metadata=meta)
+    with replace_atomically(path) as tmp:  # a killed run leaves no half-written rounds file
+        save_file(tensors, str(tmp), metadata=meta)
     return path
 
 

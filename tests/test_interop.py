@@ -19,6 +19,7 @@ from specforge.target import TargetModel
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.block.model import SharedWeights
 from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, save_eagle3
+from interop_cases import PICKLE_REFUSED, assert_imports_refused, pickle_only
 from tiny_models import tiny_model
 
 SERVING_KEYS = {
@@ -145,16 +146,8 @@ def test_bad_input_is_one_error_naming_the_file_and_nothing_is_written(checkpoin
         (broken("other-target", lambda c, t: c.update({"hidden_size": 32})), r"made for another target — dim 32 \(target: 64\)"),
         (broken("unknown", lambda c, t: c.update({"architectures": ["MysteryModel"]})), r"an unknown checkpoint layout"),
     ]
-    pickled = tmp_path / "pickled"
-    pickled.mkdir()
-    (pickled / "config.json").write_text("{}")
-    torch.save({"w": torch.ones(2)}, pickled / "pytorch_model.bin")
-    cases.append((pickled, r"pytorch_model.bin: a pickle checkpoint; specforge loads weights only from safetensors"))
-    for directory, message in cases:
-        out = tmp_path / f"out-{directory.name}"
-        with pytest.raises(InteropError, match=message):
-            import_checkpoint(directory, out, target=target)
-        assert not out.exists(), directory.name
+    cases.append((pickle_only(tmp_path / "pickled", {}), PICKLE_REFUSED))
+    assert_imports_refused(cases, tmp_path, target)
     with pytest.raises(InteropError, match=r"eagle3 exports to vllm, sglang, deepspec, eagle, hf, not 'medusa-1'"):
         export_checkpoint(source, "medusa-1", tmp_path / "ds")
     assert not (tmp_path / "ds").exists()

@@ -22,6 +22,7 @@ from specforge_plugins.drafters.block import MASK, BlockBackbone, BlockDrafterCo
 from specforge_plugins.drafters.block.checkpoint import save_drafter
 from specforge_plugins.drafters.dspark import DFlashConfig, DFlashDrafter, DSparkConfig, DSparkDrafter
 from specforge_plugins.heads import HEADS, HeadConfig
+from interop_cases import PICKLE_REFUSED, assert_imports_refused, pickle_only
 from tiny_models import save_tiny, tiny_model
 
 V, L, R, TAPS, MASK_ID = 96, 8, 8, (1, 3, 5), 7
@@ -422,16 +423,8 @@ def test_bad_input_is_one_error_naming_the_file_and_nothing_is_written(drafters,
         (broken(vllm, "unknown", lambda c, t: c.update(architectures=["MysteryModel"])),
          r"an unknown checkpoint layout"),
     ]
-    pickled = tmp_path / "pickled"
-    pickled.mkdir()
-    (pickled / "config.json").write_text(json.dumps({"architectures": ["Qwen3DSparkModel"]}))
-    torch.save({"w": torch.ones(2)}, pickled / "pytorch_model.bin")
-    cases.append((pickled, r"pytorch_model.bin: a pickle checkpoint; specforge loads weights only from safetensors"))
-    for directory, message in cases:
-        out = tmp_path / f"out-{directory.name}"
-        with pytest.raises(InteropError, match=message):
-            import_checkpoint(directory, out, target=target)
-        assert not out.exists(), directory.name
+    cases.append((pickle_only(tmp_path / "pickled", {"architectures": ["Qwen3DSparkModel"]}), PICKLE_REFUSED))
+    assert_imports_refused(cases, tmp_path, target)
 
 
 def test_a_sharded_folder_is_read_through_its_index(drafters, target, tmp_path):
@@ -561,7 +554,4 @@ def test_specforges_domino_and_sliding_window_drafters_are_refused(target, tmp_p
                                  layer_types=["sliding_attention", "full_attention"]),
          r"config.json: sliding-window draft layers; specforge's dflash drafter cannot compute it exactly"),
     ]
-    for directory, message in cases:
-        with pytest.raises(InteropError, match=message):
-            import_checkpoint(directory, tmp_path / f"out-{directory.name}", target=target)
-        assert not (tmp_path / f"out-{directory.name}").exists()
+    assert_imports_refused(cases, tmp_path, target)

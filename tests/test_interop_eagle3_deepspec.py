@@ -27,6 +27,7 @@ from specforge_plugins.drafters.block.model import SharedWeights
 from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, load_eagle3, save_eagle3
 from specforge_plugins.drafters.eagle3.training import Eagle3TrainConfig, Eagle3Training
+from interop_cases import PICKLE_REFUSED, assert_imports_refused, pickle_only
 from tiny_models import save_tiny, tiny_model
 
 V, L, D, HD = 96, 8, 64, 16
@@ -386,16 +387,8 @@ def test_bad_input_is_one_error_naming_the_file_and_nothing_is_written(drafters,
         (broken("unknown-layout", lambda c, t: c.update(architectures=["MysteryModel"])),
          r"an unknown checkpoint layout"),
     ]
-    pickled = tmp_path / "pickled"
-    pickled.mkdir()
-    (pickled / "config.json").write_text(json.dumps({"architectures": ["Qwen3Eagle3Model"]}))
-    torch.save({"w": torch.ones(2)}, pickled / "pytorch_model.bin")
-    cases.append((pickled, r"pytorch_model.bin: a pickle checkpoint; specforge loads weights only from safetensors"))
-    for directory, message in cases:
-        out = tmp_path / f"out-{directory.name}"
-        with pytest.raises(InteropError, match=message):
-            import_checkpoint(directory, out, target=target)
-        assert not out.exists(), directory.name
+    cases.append((pickle_only(tmp_path / "pickled", {"architectures": ["Qwen3Eagle3Model"]}), PICKLE_REFUSED))
+    assert_imports_refused(cases, tmp_path, target)
     no_depth = broken("no-depth", lambda c, t: c.pop("num_target_layers"))
     with pytest.raises(InteropError, match=r"num_target_layers\) is not recorded: import with --target"):
         import_checkpoint(no_depth, tmp_path / "out-no-depth")

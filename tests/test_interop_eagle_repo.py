@@ -26,6 +26,7 @@ from specforge_plugins.drafters.block.model import SharedWeights
 from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from specforge_plugins.drafters.eagle3.formats import eagle_repo_layers
 from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, eagle3_layers, load_eagle3, save_eagle3
+from interop_cases import PICKLE_REFUSED, assert_imports_refused, pickle_only
 from tiny_models import save_tiny, tiny_model
 
 V, L, D, N = 96, 8, 64, 40
@@ -311,14 +312,9 @@ def test_detection_is_unambiguous_against_the_other_layouts(drafters, target, ho
     (renamed / "config.json").write_text(json.dumps(config))
     assert claims(renamed) == []
     # a pickle-only EAGLE folder (its trainer's pytorch_model.bin) is claimed by none and refused by the driver
-    pickled = tmp_path / "pickled"
-    pickled.mkdir()
-    (pickled / "config.json").write_text(json.dumps(config))
-    torch.save({"fc.weight": torch.ones(2)}, pickled / "pytorch_model.bin")
+    pickled = pickle_only(tmp_path / "pickled", config, key="fc.weight")
     assert claims(pickled) == []
-    with pytest.raises(InteropError, match=r"pytorch_model.bin: a pickle checkpoint; specforge loads weights only"):
-        import_checkpoint(pickled, tmp_path / "out-pickled", target=target)
-    assert not (tmp_path / "out-pickled").exists()
+    assert_imports_refused([(pickled, PICKLE_REFUSED)], tmp_path, target)
 
 
 # -- what cannot be exact is refused, with nothing written -------------------------------------------------

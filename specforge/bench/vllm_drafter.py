@@ -38,7 +38,7 @@ __all__ = ["VLLM_METHODS", "VllmDrafterSettings", "passed", "run_vllm_drafter", 
 
 # One request of a few hundred tokens needs megabytes of KV cache; vLLM's CPU default here (4 GiB,
 # vllm_runner) fails to start on a 24 GiB machine that is also training.  The caller's setting wins.
-_KV_SPACE = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+_KV_SPACE_GIB = "1"
 
 #: specforge drafter method -> vLLM's ``speculative_config.method``.
 VLLM_METHODS = {"eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash", "dspark": "dspark"}
@@ -150,7 +150,8 @@ def run_vllm_drafter(drafter_dir: str | Path, settings: VllmDrafterSettings, out
     records = {r["variant"]: r for r in bench_vllm(prompt_ids, [1], variants, settings.max_new_tokens, min_rounds=1,
                                                     warmup_tokens=8, dtype=settings.dtype,
                                                     timeout=settings.timeout, keep_tokens=True, progress=progress,
-                                                    log_dir=out / "vllm-logs", env=_KV_SPACE)}
+                                                    log_dir=out / "vllm-logs",
+                                                    env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", _KV_SPACE_GIB)})}
     failed = {v: r.get("reason") for v, r in records.items() if r.get("status") != "ok"}
     result: dict[str, Any] = {
         "machine": machine(), "vllm": version, "drafter": str(drafter_dir), "method": method, "gamma": gamma,
