@@ -18,8 +18,8 @@ Three implementations compute this same function:
 * :func:`varlen_attention_reference` — pure torch, one SDPA call per request on views of the
   cache.  It is the oracle of the Triton kernel.
 * :func:`varlen_attention_planned` — the production CPU path: the same per-request calls with the
-  metadata checked once per pass (:func:`plan_varlen_attention`), or, for many short runs, one
-  padded masked SDPA over the cache slots.
+  metadata checked once per pass (:func:`plan_varlen_attention`), or, for short runs, padded
+  masked SDPAs over groups of neighbouring cache slots of similar lengths.
 * :func:`varlen_attention_triton` — a flash-attention style Triton kernel (online softmax,
   float32 accumulation) for CUDA devices; on a CPU it runs only under ``TRITON_INTERPRET=1``.
 
@@ -227,14 +227,14 @@ def _attend_per_request(
 
 @dataclass(frozen=True)
 class _Padded:
-    """Layout of the batched path: every slot of ``base..base+P-1`` is one row of a padded SDPA."""
+    """Layout of one padded SDPA: every slot of ``base..base+P-1`` is one row of the batch."""
 
     base: int
     span: int  # P
     n_max: int
     length: int  # keys 0..length-1 of each slot are read (masked per row)
     q_index: Tensor | None  # [P * n_max] flat row of q feeding each padded query; None: a view
-    out_index: Tensor | None  # [N] padded row of each flat token; None: a plain reshape
+    out_index: Tensor | None  # [n] padded row of each of the group's tokens; None: a plain reshape
     mask: Tensor  # [P, 1, n_max, length] bool (or [P, 1, G·n_max, length] if merged), True: visible
     merged: bool  # GQA groups folded into query rows (see varlen_attention_planned)
 
@@ -245,7 +245,12 @@ class VarlenPlan:
 
     A transformer calls attention once per layer with the same ``cu_seqlens``/``slots``/
     ``start_pos``; :func:`varlen_attention_reference` re-validates them and copies them to the
-    host on every call, a plan does that once per pass (and builds the padded layout once).
+    host on every call, a plan does that once per pass (and builds the padded layouts once).
+
+    Exactly one of three layouts: ``padded`` — the whole pass in one padded SDPA; ``groups`` —
+    several padded SDPAs over slot-contiguous groups of requests, plus the requests of ``alone``
+    (lone decode tokens, prefill chunks) one SDPA each, their outputs concatenated in that order
+    and read back into flat token order by one gather (``gather``); neither — one SDPA per request.
     """
 
     cu: list[int]
@@ -253,10 +258,26 @@ class VarlenPlan:
     start: list[int]
     padded: _Padded | None
     tree: Tensor | None = None  # [N] int64 bitmasks of a tree pass (always the per-request path)
+    groups: tuple[_Padded, ...] = ()
+    alone: tuple[int, ...] = ()
+    gather: Tensor | None = None  # [N]: row of the concatenated outputs holding flat token i
 
 
-# Decode and verify runs are short: up to this many tokens per request go through one padded SDPA.
+# Decode and verify runs are short: up to this many tokens per request go through a padded SDPA.
 _PADDED_MAX_RUN = 16
+
+# The cost model that groups requests (see _group_by_slot), in ns on one core: an SDPA over
+# P slots × L keys with n query rows per slot costs about P·L·(52 + 11·n), plus a fixed cost per
+# call (the views, the gathers of its rows, the mask's conversion, the launch).  Fitted on
+# SmolLM2's heads, bf16, Intel Xeon AMX, 1 thread: 64 ns a key for decode rows, 98 / 137 ns for
+# merged verify rows of n = 4 / 8; 14 µs a call for one request alone, ~30 µs for a gathered group.
+# Only ratios matter — how many keys of padding one call saved is worth — and the result is flat
+# around it (kernels/bench_attention.py --mixed: within 5 % from 15 to 60 µs, except small batches).
+_CALL_NS = 30_000
+
+
+def _group_cost(span: int, length: int, n_max: int) -> int:
+    return _CALL_NS + span * length * (52 + 11 * n_max)
 
 
 def plan_varlen_attention(
@@ -272,19 +293,22 @@ def plan_varlen_attention(
     """Validate the metadata of an ``n_tokens`` pass (``q_heads`` query heads) against
     ``k_cache``'s shape and plan it.
 
-    ``batched=None`` picks the padded single-SDPA path when it pays: short runs (decode/verify,
-    not prefill) of several requests whose slots lie in a range not much wider than the batch,
-    with little key padding, or one request verifying several tokens behind its prefix — in a
-    reduced-precision cache.  Per-request SDPA calls cost ~50 µs each (×R per layer); one masked
-    SDPA over ``[P, H, n_max, L]`` costs less, and with the GQA heads folded into query rows
-    verify runs take about half the time (measured on SmolLM2 shapes, bf16, 1 core).
+    ``batched=None`` (in a reduced-precision cache) groups the short runs (decode/verify, not
+    prefill) of requests whose cache slots are neighbours into padded SDPAs — as few calls as
+    pays, with as little key padding as pays: each group is padded only to its own longest
+    request, so a pass over mixed context lengths costs about the sum of the requests' own
+    lengths, not R × the longest (:func:`_group_by_slot`).  Per-request SDPA calls cost ~15 µs
+    each (×R per layer); one masked SDPA over ``[P, H, n_max, L]`` costs less when the lengths
+    are alike, and with the GQA heads folded into query rows verify runs take about half the time
+    (measured on SmolLM2 shapes, bf16, 1 core).  One request verifying several tokens behind its
+    prefix gains from the merged layout alone.
 
     The result agrees with the per-request path to a few ulps, not bit for bit: masked keys add
     exact zeros, but the kernel blocks the longer padded key range differently.  So in bf16 a
     request's output then depends, at that level, on its batch-mates' lengths.  float32, the
     parity dtype against Hugging Face, stays on the per-request path, bit-identical to
-    :func:`varlen_attention_reference`.  ``True`` forces the padded path, ``False`` the
-    per-request one (batch-invariant).
+    :func:`varlen_attention_reference`.  ``True`` forces one padded SDPA for the whole pass,
+    ``False`` the per-request path (batch-invariant).
 
     The padded path reads keys past a request's own length (masked).  A NaN or inf there would
     poison the row (0 × NaN), so it needs the slot's stale entries to be finite; the runtime's
@@ -295,34 +319,91 @@ def plan_varlen_attention(
     cu, sl, sp = _host_meta(n_tokens, n_slots, capacity, cu_seqlens, slots, start_pos)
     if tree is not None:  # tree passes are rare (tree drafters only): the per-request masked path
         return VarlenPlan(cu, sl, sp, None, _tree_bits(tree, n_tokens))
-    padded = None
+    device = cu_seqlens.device
     if batched is None:
         runs = [cu[r + 1] - cu[r] for r in range(len(sl))]
-        # One request verifying several tokens gains from the merged GQA layout alone.
-        if (len(sl) >= 2 or (sl and runs[0] > 1 and sp[0] > 0)) and k_cache.dtype in (torch.bfloat16, torch.float16):
-            padded = _plan_padded(cu, sl, sp, cu_seqlens.device, group, force=False)
-    elif batched and sl:
-        padded = _plan_padded(cu, sl, sp, cu_seqlens.device, group, force=True)
-    return VarlenPlan(cu, sl, sp, padded)
+        if (len(sl) >= 2 or (sl and runs[0] > 1 and sp[0] > 0)) and k_cache.dtype in (torch.bfloat16, torch.float16) \
+                and len(set(sl)) == len(sl):
+            short = [r for r in range(len(sl)) if 0 < runs[r] <= _PADDED_MAX_RUN]
+            grouped = _group_by_slot(short, runs, sl, sp)
+            alone = tuple(r for r in range(len(sl)) if runs[r] > _PADDED_MAX_RUN)
+            if len(grouped) == 1 and len(grouped[0]) == len(sl):
+                return VarlenPlan(cu, sl, sp, _plan_padded(cu, sl, sp, device, group, range(len(sl))))
+            # A lone decode token needs no mask: its own SDPA (the per-request path) is as cheap.
+            padded = [g for g in grouped if len(g) > 1 or runs[g[0]] > 1]
+            if padded:
+                alone += tuple(g[0] for g in grouped if len(g) == 1 and runs[g[0]] == 1)
+                alone = tuple(sorted(alone))
+                groups = tuple(_plan_padded(cu, sl, sp, device, group, g) for g in padded)
+                return VarlenPlan(cu, sl, sp, None, groups=groups, alone=alone,
+                                  gather=_gather_index(cu, sl, padded, groups, alone).to(device))
+    elif batched and sl and len(set(sl)) == len(sl) and min(cu[r + 1] - cu[r] for r in range(len(sl))) > 0:
+        return VarlenPlan(cu, sl, sp, _plan_padded(cu, sl, sp, device, group, range(len(sl))))
+    return VarlenPlan(cu, sl, sp, None)
+
+
+def _group_by_slot(reqs: list[int], runs: list[int], sl: list[int], sp: list[int]) -> list[list[int]]:
+    """Split ``reqs`` into groups of neighbouring cache slots, minimising the modelled cost.
+
+    A padded SDPA reads a contiguous range of slots as a view (never a copy), so a group is a run
+    of requests in slot order; it costs one call plus its span × its longest context × its rows
+    (:func:`_group_cost`; a free slot inside the span is a padding row).  The best split is a
+    shortest path over the slot order — O(R²) with running maxima, well under a millisecond for
+    R = 64, once per pass.  A long request next to short ones ends up alone, so nobody pays for it.
+    """
+    order = sorted(reqs, key=lambda r: sl[r])
+    n = len(order)
+    best = [0] * (n + 1)  # best[j]: cost of the first j requests
+    cut = [0] * (n + 1)  # the group ending at j - 1 starts at cut[j]
+    for j in range(1, n + 1):
+        length = n_max = 0
+        best[j] = -1
+        for i in range(j - 1, -1, -1):  # the group order[i:j]
+            r = order[i]
+            length, n_max = max(length, sp[r] + runs[r]), max(n_max, runs[r])
+            span = sl[order[j - 1]] - sl[r] + 1
+            cost = best[i] + _group_cost(span, length, n_max)
+            if best[j] < 0 or cost < best[j]:
+                best[j], cut[j] = cost, i
+            if _CALL_NS + span * length * 63 >= best[j]:
+                break  # a wider group can only cost more than the best so far
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def _gather_index(cu: list[int], sl: list[int], reqs: list[list[int]], groups: tuple[_Padded, ...],
+                  alone: tuple[int, ...]) -> Tensor:
+    """Flat token -> row of the groups' padded outputs followed by the lone requests' outputs."""
+    index = torch.empty(cu[-1], dtype=torch.long)
+    offset = 0
+    for rs, p in zip(reqs, groups):
+        for r in rs:
+            index[cu[r]:cu[r + 1]] = offset + (sl[r] - p.base) * p.n_max + torch.arange(cu[r + 1] - cu[r])
+        offset += p.span * p.n_max
+    for r in alone:
+        index[cu[r]:cu[r + 1]] = offset + torch.arange(cu[r + 1] - cu[r])
+        offset += cu[r + 1] - cu[r]
+    return index
 
 
 def _plan_padded(cu: list[int], sl: list[int], sp: list[int], device: torch.device, group: int,
-                 force: bool) -> _Padded | None:
-    n_req = len(sl)
-    runs = [cu[r + 1] - cu[r] for r in range(n_req)]
-    ends = [sp[r] + runs[r] for r in range(n_req)]
-    n_max, length = max(runs), max(ends)
-    base = min(sl)
-    span = max(sl) - base + 1
-    if len(set(sl)) != n_req or min(runs) == 0:
-        return None  # a slot twice in one pass, or an empty run: the per-request path handles it
-    if not force and (n_max > _PADDED_MAX_RUN or span > 2 * n_req or span * length > 3 * sum(ends)):
-        return None
+                 reqs: range | list[int]) -> _Padded:
+    """The padded layout of the requests ``reqs`` (distinct slots, non-empty runs)."""
+    reqs = list(reqs)
+    runs = {r: cu[r + 1] - cu[r] for r in reqs}
+    n_max, length = max(runs.values()), max(sp[r] + runs[r] for r in reqs)
+    base = min(sl[r] for r in reqs)
+    span = max(sl[r] for r in reqs) - base + 1
     # Row p of the padded batch is slot base + p.  Query i < n_r of request r sits at position
     # sp[r] + i and sees keys 0..sp[r]+i.  Padding queries (i >= n_r, or slots of the span that
-    # are not in this pass) repeat a real query with a non-empty mask; their outputs are dropped.
-    row_of_slot = {s - base: r for r, s in enumerate(sl)}
-    aligned = span == n_req and all(row_of_slot[p] == p for p in range(span)) and min(runs) == n_max
+    # are not in this group) repeat a real query with a non-empty mask; their outputs are dropped.
+    row_of_slot = {sl[r] - base: r for r in reqs}
+    # q and the output need no gather when the group is the whole pass in slot order, runs equal
+    aligned = (len(reqs) == len(sl) and span == len(reqs) and all(row_of_slot[p] == p for p in range(span))
+               and min(runs.values()) == n_max)
     last = torch.zeros(span, dtype=torch.long)  # last visible key of padded query 0, per row
     n_of_row = torch.ones(span, dtype=torch.long)
     for p, r in row_of_slot.items():
@@ -333,11 +414,11 @@ def _plan_padded(cu: list[int], sl: list[int], sp: list[int], device: torch.devi
     mask = torch.arange(length)[None, None, :] <= limit[:, :, None]  # [P, n_max, L]
     q_index = out_index = None
     if not aligned:
-        first = torch.zeros(span, dtype=torch.long)
+        first = torch.full((span,), cu[reqs[0]], dtype=torch.long)
         for p, r in row_of_slot.items():
             first[p] = cu[r]
         q_index = (first[:, None] + torch.minimum(i[None, :], n_of_row[:, None] - 1)).reshape(-1)
-        out_index = torch.cat([torch.arange(runs[r]) + (sl[r] - base) * n_max for r in range(n_req)])
+        out_index = torch.cat([torch.arange(runs[r]) + (sl[r] - base) * n_max for r in reqs])
         q_index, out_index = q_index.to(device), out_index.to(device)
     merged = n_max > 1 and group > 1  # a single query per row gains nothing from merging (measured)
     if merged:
@@ -351,10 +432,21 @@ def varlen_attention_planned(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: 
     ``q``/``k_cache``/``v_cache`` must be those the plan was made for (one layer's cache of the
     shape it was checked against); nothing is re-checked here, that is the point of a plan.
     """
-    p = plan.padded
-    if p is None:
+    if plan.padded is not None:
+        return _attend_padded(q, k_cache, v_cache, plan.padded, scale, gather=True)
+    if not plan.groups:
         return _attend_per_request(q, k_cache, v_cache, plan.cu, plan.slots, plan.start, scale, plan.tree)
-    n_tokens, hq, d = q.shape
+    parts = [_attend_padded(q, k_cache, v_cache, p, scale, gather=False) for p in plan.groups]
+    cu, sl, sp = plan.cu, plan.slots, plan.start
+    for r in plan.alone:
+        parts.append(_attend_per_request(q[cu[r]:cu[r + 1]], k_cache, v_cache, [0, cu[r + 1] - cu[r]], [sl[r]],
+                                         [sp[r]], scale))
+    return torch.cat(parts)[plan.gather]
+
+
+def _attend_padded(q: Tensor, k_cache: Tensor, v_cache: Tensor, p: _Padded, scale: float, gather: bool) -> Tensor:
+    """One padded SDPA: ``[P·n_max, Hq, D]``, or with ``gather`` the requests' tokens in flat order."""
+    hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[1]
     group = hq // hkv
     k = k_cache[p.base : p.base + p.span, :, : p.length]  # [P, Hkv, L, D] views, never copied
@@ -371,7 +463,7 @@ def varlen_attention_planned(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: 
         qp = qp.view(p.span, p.n_max, hq, d).transpose(1, 2)  # [P, Hq, n_max, D]
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, scale=scale, enable_gqa=bool(group != 1))
         o = o.transpose(1, 2).reshape(p.span * p.n_max, hq, d)
-    return o if p.out_index is None else o[p.out_index]
+    return o if p.out_index is None or not gather else o[p.out_index]
 
 
 def _causal_mask(n: int, length: int, device: torch.device) -> Tensor:

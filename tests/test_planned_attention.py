@@ -41,3 +41,36 @@ def test_freed_slot_is_cleared_for_the_padded_path():
         k[s, :, :5] = float("nan")
     cache.free(s)
     assert all(torch.isfinite(k).all() and torch.isfinite(v).all() for k, v in zip(cache.k, cache.v))
+
+
+def test_mixed_lengths_are_grouped_by_slot_and_nobody_pays_for_the_longest():
+    """Short runs over contexts of mixed lengths: neighbouring slots of alike lengths share a padded
+    SDPA, a long context stays alone, a prefill chunk takes its own call — and the result is the
+    reference's (bf16 tolerance)."""
+    contexts = [100, 120, 90, 2000, 110, 95, 105, 130]  # slot i holds request i's context
+    runs = [1, 1, 1, 1, 4, 4, 4, 4]
+    runs_with_chunk = runs + [40]  # a chunked prefill in the same pass
+    q, kc, vc, cu, sl, sp = _case(torch.bfloat16, runs_with_chunk, list(range(9)), contexts + [64], S=12, T=2100)
+    plan = va.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1])
+    assert plan.padded is None and plan.groups
+    assert 8 in plan.alone  # the prefill chunk
+    for p in plan.groups:  # no group reads the long context's 2,000 keys for a short neighbour
+        assert p.span == 1 or p.length < 200, (p.span, p.length)
+    read = sum(p.span * p.length for p in plan.groups) + sum(contexts[r] + runs[r] for r in plan.alone if r < 8)
+    assert read <= 1.3 * sum(c + n for c, n in zip(contexts, runs))  # ~ the requests' own keys
+    ref = va.varlen_attention_reference(q, kc, vc, cu, sl, sp, 0.125)
+    torch.testing.assert_close(va.varlen_attention_planned(q, kc, vc, plan, 0.125), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_passes_match_the_reference_whatever_the_grouping(seed):
+    import random
+    rng = random.Random(seed)
+    n_req = rng.randint(2, 12)
+    slots = rng.sample(range(16), n_req)
+    runs = [rng.choice([1, 1, 2, 5, 8, 20]) for _ in range(n_req)]
+    starts = [rng.choice([0, 3, 40, 150, 900]) for _ in range(n_req)]
+    q, kc, vc, cu, sl, sp = _case(torch.bfloat16, runs, slots, starts, T=1024, seed=seed)
+    plan = va.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1])
+    ref = va.varlen_attention_reference(q, kc, vc, cu, sl, sp, 0.125)
+    torch.testing.assert_close(va.varlen_attention_planned(q, kc, vc, plan, 0.125), ref, atol=2e-2, rtol=2e-2)
