@@ -230,7 +230,7 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
 
     result = run_serving_benchmark(args.arms, args.drafter or ["dspark"], args.concurrency, args.datasets,
                                    args.prompts, args.sharegpt, args.max_new_tokens, args.eval_dir,
-                                   rates=args.rate, sla_ttft=args.sla_ttft, sla_itl=args.sla_itl)
+                                   rates=args.rate, sla_ttft=args.sla_ttft, sla_itl=args.sla_itl, vllm=args.vllm)
     paths = save(result, args.out)
     print(json.dumps(result, indent=2) if args.json else table(result))
     print(f"wrote {', '.join(map(str, paths))}", file=sys.stderr)
@@ -512,6 +512,8 @@ def _add_bench_serving(bench_sub) -> None:
                          "in flight")
     sv.add_argument("--sla-ttft", type=float, default=2.0, help="open-loop SLA: time to first token (s)")
     sv.add_argument("--sla-itl", type=float, default=0.25, help="open-loop SLA: mean inter-token latency (s)")
+    sv.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
+                    help="also vLLM CPU's plain and ngram at each R where it is installed (.venv-vllm; `make vllm`)")
     sv.add_argument("--out", default="runs/bench-serving")
     sv.add_argument("--json", action="store_true")
     sv.set_defaults(func=cmd_bench_serving)

@@ -4,6 +4,7 @@ divided by plain decoding at the same concurrency, with latency percentiles and 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -30,11 +31,16 @@ def test_every_arm_at_every_concurrency_against_plain_in_one_run(tmp_path):
                         "--arms", *arms, "--concurrency", "1", "3", "--datasets", str(prompts), "--prompts", "6",
                         "--sharegpt", "0", "--max-new-tokens", "6", "--out", str(tmp_path / "out"), "--json",
                         "--rate", "50", "--sla-ttft", "5", "--sla-itl", "1"],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True,
+                       env={**os.environ, "SPECFORGE_VLLM_PYTHON": str(tmp_path / "no-vllm" / "python")})
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout)
     assert list(result["arms"]) == ["plain", *arms]  # plain added: the denominator
     assert all(a["target"]["model"] == str(model) for a in result["arms"].values())
+    # vLLM's arms are asked for (the default) but it is not installed: left out, and the result says why
+    assert result["peers"] == {}
+    assert set(result["peers_missing"]) == {"vllm-plain", "vllm-ngram"}
+    assert all("not installed" in why for why in result["peers_missing"].values())
     recs = result["records"]
     assert {(x["arm"], x["concurrency"]) for x in recs} == {(a, c) for a in ["plain", *arms] for c in (1, 3)}
     for x in recs:

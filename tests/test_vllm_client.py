@@ -90,3 +90,23 @@ def test_vllm_serves_an_eagle3_drafter_trained_here_losslessly_and_accepts_as_mu
     assert result["specforge"]["acceptance_length"] > 1.5  # the drafter is accepted: the comparison means something
     assert passed(result), result["checks"]
     assert (tmp_path / "out" / "eagle3-vllm" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _vllm_installed(), reason="vLLM's CPU build is not installed (make vllm)")
+def test_the_serving_benchmark_runs_vllm_plain_and_ngram_in_a_closed_loop_beside_plain_decoding():
+    """`specforge bench serving`'s vLLM arms: at each R one vLLM engine with max_num_seqs = R decodes
+    the same prompts as specforge's plain arm, every request to its full length, with per-request
+    latencies from vLLM's timestamps and the ratio to specforge's plain decoding at that R."""
+    from specforge.bench.serving import run_serving_benchmark, table
+
+    result = run_serving_benchmark(["plain"], ("default",), concurrency=(1, 2), datasets=("gsm8k", "mbpp"), per_set=2,
+                                   sharegpt=2, max_new_tokens=8, progress=lambda line: None)
+    assert result["peers"] == {"vllm-ngram": "ok", "vllm-plain": "ok"} and result["peers_missing"] == {}
+    for arm in ("vllm-plain", "vllm-ngram"):
+        for r in (1, 2):
+            rec = next(x for x in result["records"] if x["arm"] == arm and x["concurrency"] == r)
+            assert rec["requests"] == result["prompts"] and rec["new_tokens"] == 8 * result["prompts"]
+            assert rec["tok_s"] > 0 and rec["vs_plain"] > 0
+            assert rec["ttft_s"]["p50"] > 0 and rec["itl_s"]["p90"] >= rec["itl_s"]["p50"] > 0
+    assert "specforge plain ÷ vLLM CPU plain: R=1" in table(result)

@@ -13,6 +13,12 @@ then includes the queueing, and the share of requests meeting the latency SLA (`
 ``sla_itl``) and the goodput (such requests per second) say which arm a serving engineer can run
 at that load.
 
+Where vLLM's CPU build is installed (``.venv-vllm``, ``make vllm``), its plain decoding and its
+``ngram`` speculation (γ 5, as specforge's ``ngram``) run the same prompts at each R right after
+specforge's arms — each R its own vLLM engine with ``max_num_seqs = R``, so vLLM too admits the
+next request as one finishes — and are divided by specforge's plain decoding at that R
+(``vllm=False`` leaves them out; without vLLM the result says why they are missing).
+
 Per arm and R: aggregate tokens/s, tokens/s per user (each request's own rate, averaged), time to
 first token and inter-token latency percentiles, τ, verified draft tokens per request per round
 (the verify budget) and the verify waste (verified but rejected ÷ verified).  Plots: the
@@ -132,6 +138,34 @@ def _measure(engine: Any, prompts: list[list[int]], max_new_tokens: int) -> dict
     }
 
 
+def _vllm_records(batch: list[list[int]], r: int, max_new_tokens: int, model: str, dtype: str) -> list[dict[str, Any]]:
+    """vLLM CPU's plain and ngram arms at concurrency ``r`` on ``batch`` (closed loop) serving the
+    same target (its HF directory, or the GGUF's cached conversion), as records of this benchmark
+    (``arm`` vllm-plain / vllm-ngram; τ from vLLM's draft counters, no verify-budget fields)."""
+    from specforge.bench.vllm_client import DEFAULT_VARIANTS, VllmNotInstalled, bench_vllm, find_vllm_python
+    from specforge.target.loading import converted_checkpoint
+
+    try:
+        find_vllm_python()
+        model_dir = converted_checkpoint(model)
+    except VllmNotInstalled:
+        model_dir = None  # bench_vllm answers with `skipped` records saying how to install it
+    out = []
+    for rec in bench_vllm(batch, [r], DEFAULT_VARIANTS, max_new_tokens, dtype=dtype, closed_loop=True, progress=False,
+                          model_dir=model_dir):
+        arm = f"vllm-{rec.get('variant', 'plain')}"
+        line = "ok" if rec.get("status") == "ok" else f"{rec.get('status')}: {rec.get('reason')}"
+        spec = (rec.get("extra") or {}).get("spec_decode") or {}
+        out.append({"arm": arm, "system": "vllm-cpu", "concurrency": r, "status_line": line,
+                    "requests": rec.get("n_requests"), "new_tokens": rec.get("new_tokens"), "seconds": rec.get("wall_s"),
+                    "tok_s": rec.get("tok_s") if rec.get("status") == "ok" else None,
+                    "tok_s_per_user": rec.get("per_request_tok_s"), "ttft_s": rec.get("ttft_s"),
+                    "itl_s": rec.get("itl_s"),
+                    "tau": 1.0 + spec["mean_accepted_per_draft"] if spec.get("mean_accepted_per_draft") is not None else None,
+                    "extra": rec.get("extra")})
+    return out
+
+
 def _open_loop(engine: Any, prompts: list[list[int]], max_new_tokens: int, rate: float, seed: int,
                sla_ttft: float, sla_itl: float) -> dict[str, Any]:
     """Poisson arrivals at ``rate`` requests/s; latencies count from each request's arrival."""
@@ -175,7 +209,8 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
                           datasets: Sequence[str] = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench"),
                           per_set: int = 8, sharegpt: int = 24, max_new_tokens: int = 64, eval_dir: str | None = None,
                           requests_per_slot: int = 2, progress: Callable[[str], None] | None = None,
-                          rates: Sequence[float] = (), sla_ttft: float = 2.0, sla_itl: float = 0.25) -> dict[str, Any]:
+                          rates: Sequence[float] = (), sla_ttft: float = 2.0, sla_itl: float = 0.25,
+                          vllm: bool = True) -> dict[str, Any]:
     """Every arm at every concurrency, then (``rates``) every arm under Poisson arrivals at each
     rate (see the module docstring); the JSON-ready result."""
     from specforge.config import EngineConfig
@@ -193,7 +228,8 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     target = TargetModel.load(first.target.model, first.target.dtype, first.target.compile, first.target.weights)
     prompts = _prompts(target, datasets, per_set, sharegpt, eval_dir)
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-    records = []
+    records: list[dict[str, Any]] = []
+    vllm_status: dict[str, str] = {}
     for i, r in enumerate(concurrency):
         # At least requests_per_slot requests per slot, so the loop spends most of its time full.
         n = max(len(prompts), requests_per_slot * r)
@@ -208,6 +244,13 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
             records.append(rec)
             say(f"R={r:<3} {label:<14} {rec['tok_s']:7.1f} tok/s  τ {rec['tau']:.2f}  "
                 f"verified/round {rec['verified_per_round']:.2f}")
+        if vllm:
+            for rec in _vllm_records(batch, r, max_new_tokens, first.target.model, first.target.dtype):
+                if rec["arm"] not in vllm_status:
+                    vllm_status[rec["arm"]] = rec.pop("status_line")
+                if rec.get("tok_s"):
+                    records.append(rec)
+                    say(f"R={r:<3} {rec['arm']:<14} {rec['tok_s']:7.1f} tok/s")
     plain = {rec["concurrency"]: rec["tok_s"] for rec in records if rec["arm"] == "plain"}
     for rec in records:
         rec["vs_plain"] = rec["tok_s"] / plain[rec["concurrency"]]
@@ -223,7 +266,10 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
             open_loop.append(rec)
             say(f"λ={rate:<5g} {label:<14} TTFT p90 {rec['ttft_s']['p90']:.2f} s  SLA met {rec['sla_met']:.0%}  "
                 f"goodput {rec['goodput_rps']:.2f} req/s")
+    peers = sorted({rec["arm"] for rec in records if rec.get("system") == "vllm-cpu"})
     return {"machine": machine(), "arms": {a: pipelines[a].to_dict() for a in arms}, "concurrency": list(concurrency),
+            "peers": {a: vllm_status.get(a, "ok") for a in peers}, "peers_missing": {
+                a: why for a, why in vllm_status.items() if a not in peers},
             "prompts": len(prompts), "max_new_tokens": max_new_tokens, "records": records,
             "open_loop": {"rates": list(rates), "sla_ttft_s": sla_ttft, "sla_itl_s": sla_itl, "records": open_loop}}
 
@@ -237,9 +283,15 @@ def table(result: dict[str, Any]) -> str:
     by = {(r["arm"], r["concurrency"]): r for r in result["records"]}
     lines = [f"{result['machine']['cpu']}: tokens/s ÷ plain decoding at the same concurrency (plain: tokens/s)",
              "| arm | " + " | ".join(f"R={c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
-    for a in arms:
-        cells = [fmt(by[(a, c)]["tok_s"], ".1f") if a == "plain" else fmt(by[(a, c)]["vs_plain"]) for c in cs]
+    for a in [*arms, *result.get("peers", {})]:
+        cells = [("–" if (a, c) not in by else fmt(by[(a, c)]["tok_s"], ".1f") if a == "plain"
+                  else fmt(by[(a, c)]["vs_plain"])) for c in cs]
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    if "vllm-plain" in result.get("peers", {}):
+        lines += ["", "specforge plain ÷ vLLM CPU plain: " + ", ".join(
+            f"R={c} {1 / by[('vllm-plain', c)]['vs_plain']:.2f}×" for c in cs if ("vllm-plain", c) in by)]
+    for a, why in (result.get("peers_missing") or {}).items():
+        lines.append(f"{a}: not measured ({why})")
     ol = result.get("open_loop") or {}
     if ol.get("records"):
         rates = ol["rates"]
@@ -266,9 +318,10 @@ def save(result: dict[str, Any], out: str | Path) -> list[Path]:
     cpu = result["machine"]["cpu"]
     fig = new_figure(6.5, 4.5)
     ax = fig.add_subplot(1, 1, 1)
-    for a in arms:
-        rows = sorted((r for r in recs if r["arm"] == a), key=lambda r: r["concurrency"])
-        ax.plot([r["tok_s_per_user"] for r in rows], [r["tok_s"] for r in rows], marker="o", label=a)
+    for a in [*arms, *result.get("peers", {})]:
+        rows = sorted((r for r in recs if r["arm"] == a and r.get("tok_s_per_user")), key=lambda r: r["concurrency"])
+        ax.plot([r["tok_s_per_user"] for r in rows], [r["tok_s"] for r in rows], marker="o" if a in arms else "s",
+                linestyle="-" if a in arms else ":", label=a)
     ax.set(xlabel="tokens/s per user", ylabel="aggregate tokens/s", xscale="log", yscale="log")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)

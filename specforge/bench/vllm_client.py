@@ -294,6 +294,7 @@ def bench_vllm(
     keep_tokens: bool = False,
     progress: bool = True,
     log_dir: Path | None = None,
+    closed_loop: bool = False,
 ) -> list[dict[str, Any]]:
     """Time vLLM CPU on ``prompt_ids`` (chat-templated token ids) → result records.
 
@@ -302,7 +303,8 @@ def bench_vllm(
     ``startup_s`` (``LLM(...)`` construction), the vLLM version and the ``VLLM_CPU_*``
     environment it ran with.  ``env`` adds to/overrides the subprocess environment (e.g.
     ``{"VLLM_CPU_OMP_THREADS_BIND": "0-1"}``).  vLLM's full log of each variant is kept in
-    ``log_dir`` (default ``<cache>/vllm-logs``); ``extra.log`` names the file.
+    ``log_dir`` (default ``<cache>/vllm-logs``); ``extra.log`` names the file.  ``closed_loop``:
+    per concurrency c, every prompt in one call with c in flight (see the runner's request format).
     """
     concurrencies = [int(c) for c in concurrencies]
     variants = [dict(v) for v in variants]
@@ -334,6 +336,7 @@ def bench_vllm(
             "dtype": dtype,
             "llm_kwargs": dict(llm_kwargs or {}),
             "keep_tokens": keep_tokens,
+            "closed_loop": closed_loop,
         }
         stamp = time.strftime("%Y%m%d-%H%M%S")
         log_path = (Path(log_dir) if log_dir else cache_dir() / "vllm-logs") / f"{stamp}-{v.get('name', 'plain')}.log"

@@ -21,7 +21,10 @@ Request (JSON)::
       "warmup_tokens": 16,      # untimed: every prompt once (c at a time), this many tokens
       "dtype": "bfloat16",
       "llm_kwargs": {},         # passed to vllm.LLM as they are
-      "keep_tokens": false      # include generated token ids in the records
+      "keep_tokens": false,     # include generated token ids in the records
+      "closed_loop": false      # true: per concurrency c, ONE generate call over every prompt with
+                                #   max_num_seqs = c (vLLM admits the next as one finishes: c in
+                                #   flight at every moment, like specforge's engine with max_batch = c)
     }
 
 Reply: ONE line of JSON on stdout (everything vLLM prints is sent to stderr)::
@@ -203,6 +206,63 @@ def _measure(llm: Any, prompts: list[Any], c: int, req: dict[str, Any]) -> dict[
     return rec
 
 
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    if len(values) == 1:
+        return dict.fromkeys(("p50", "p90", "p99"), round(values[0], 5))
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": round(q[49], 5), "p90": round(q[89], 5), "p99": round(q[98], 5)}
+
+
+def _measure_closed(llm: Any, prompts: list[Any], c: int, req: dict[str, Any]) -> dict[str, Any]:
+    """Every prompt once in ONE generate call; the engine was built with ``max_num_seqs = c``, so
+    c requests are in flight at every moment.  Per request, from vLLM's engine timestamps: time to
+    first token and inter-token latency counted from when it was first scheduled (the wait for a
+    free seat excluded, as specforge's closed loop counts from admission), and its own tokens/s."""
+    from vllm import SamplingParams
+
+    max_new = int(req.get("max_new_tokens", 128))
+    sp = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_tokens=int(req.get("warmup_tokens", 16)), ignore_eos=True)
+    llm.generate(prompts[:c], warm, use_tqdm=False)  # untimed: a c-wide decode and its prefills seen once
+    load_before = _loadavg()
+    before = _spec_counters(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = _spec_counters(llm)
+    new_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft, itl, per_user = [], [], []
+    for o in outs:
+        m, n = getattr(o, "metrics", None), len(o.outputs[0].token_ids)
+        try:
+            start, first, last = float(m.scheduled_ts), float(m.first_token_ts), float(m.last_token_ts)
+        except (AttributeError, TypeError, ValueError):
+            continue
+        if not 0 <= first - start <= wall * 1.05 or last < first:
+            continue  # timestamps from different clocks: leave the latencies out rather than guess
+        ttft.append(first - start)
+        if n > 1:
+            itl.append((last - first) / (n - 1))
+        if last > start:
+            per_user.append(n / (last - start))
+    rec: dict[str, Any] = {
+        "status": "ok", "reason": None, "n_requests": len(outs), "new_tokens": new_tokens,
+        "prompt_tokens": sum(len(o.prompt_token_ids or []) for o in outs), "wall_s": round(wall, 4),
+        "tok_s": round(new_tokens / wall, 3) if wall > 0 else None,
+        "per_request_tok_s": round(statistics.fmean(per_user), 3) if per_user else None,
+        "ttft_s": _percentiles(ttft), "itl_s": _percentiles(itl),
+        "extra": {"closed_loop": True, "loadavg": [load_before, _loadavg()], "timed_requests": len(ttft)},
+    }
+    if after:
+        d = {k: after.get(k, 0) - before.get(k, 0) for k in ("drafts", "draft_tokens", "accepted_tokens")}
+        if d["drafts"] > 0:
+            rec["extra"]["spec_decode"] = {**{k: int(v) for k, v in d.items()},
+                                           "mean_accepted_per_draft": round(d["accepted_tokens"] / d["drafts"], 4)}
+    return rec
+
+
 def _prompts(req: dict[str, Any]) -> list[Any]:
     if req.get("prompt_token_ids"):
         return [{"prompt_token_ids": [int(t) for t in ids]} for ids in req["prompt_token_ids"]]
@@ -221,8 +281,6 @@ def _prompts(req: dict[str, Any]) -> list[Any]:
 
 
 def run_variant(req: dict[str, Any], variant: dict[str, Any], prompts: list[Any]) -> list[dict[str, Any]]:
-    from vllm import LLM
-
     name = variant.get("name", "plain")
     concurrency = [int(c) for c in req.get("concurrency", [1])]
     dtype = req.get("dtype", "bfloat16")
@@ -251,41 +309,66 @@ def run_variant(req: dict[str, Any], variant: dict[str, Any], prompts: list[Any]
     kwargs.update(req.get("llm_kwargs") or {})
     kwargs.update(variant.get("llm_kwargs") or {})
 
+    if req.get("closed_loop"):
+        # max_num_seqs is fixed when the engine starts: one engine per concurrency
+        records = []
+        for c in concurrency:
+            llm, startup, error = _start({**kwargs, "max_num_seqs": c}, name)
+            if llm is None:
+                records.append({**base, "concurrency": c, "status": "error", "reason": error})
+                continue
+            records.append(_record(base, c, name, startup, variant, lambda: _measure_closed(llm, prompts, c, req)))
+            _stop(llm)
+            del llm
+            gc.collect()
+        return records
+    llm, startup, error = _start(kwargs, name)
+    if llm is None:
+        return [{**base, "concurrency": c, "status": "error", "reason": error} for c in concurrency]
+    records = [_record(base, c, name, startup, variant, lambda c=c: _measure(llm, prompts, c, req)) for c in concurrency]
+    _stop(llm)
+    del llm
+    gc.collect()
+    return records
+
+
+def _start(kwargs: dict[str, Any], name: str) -> tuple[Any, float, str | None]:
+    """``(LLM, startup seconds, None)``, or ``(None, 0, reason)`` when it does not start."""
+    from vllm import LLM
+
     t0 = time.perf_counter()
     try:
         _log(f"variant {name}: starting LLM({', '.join(f'{k}={v!r}' for k, v in kwargs.items() if k != 'model')})")
         llm = LLM(**kwargs)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
-        return [{**base, "concurrency": c, "status": "error", "reason": f"LLM start failed: {type(e).__name__}: {e}"} for c in concurrency]
+        return None, 0.0, f"LLM start failed: {type(e).__name__}: {e}"
     startup = time.perf_counter() - t0
     _log(f"variant {name}: started in {startup:.1f}s")
+    return llm, startup, None
 
-    records = []
-    for c in concurrency:
-        try:
-            rec = _measure(llm, prompts, c, req)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            rec = {"status": "error", "reason": f"{type(e).__name__}: {e}", "extra": {}}
-        rec["extra"] = {
-            **rec.get("extra", {}),
-            "startup_s": round(startup, 2),
-            "speculative_config": variant.get("speculative_config"),
-        }
-        _log(f"variant {name} c={c}: {rec.get('tok_s')} tok/s aggregate, {rec.get('per_request_tok_s')} per request")
-        records.append({**base, "concurrency": c, **rec})
 
-    try:  # free the engine (its core runs in a child process) before the next variant
+def _record(base: dict[str, Any], c: int, name: str, startup: float, variant: dict[str, Any], measure: Any) -> dict[str, Any]:
+    try:
+        rec = measure()
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        rec = {"status": "error", "reason": f"{type(e).__name__}: {e}", "extra": {}}
+    rec["extra"] = {**rec.get("extra", {}), "startup_s": round(startup, 2),
+                    "speculative_config": variant.get("speculative_config")}
+    _log(f"variant {name} c={c}: {rec.get('tok_s')} tok/s aggregate, {rec.get('per_request_tok_s')} per request")
+    return {**base, "concurrency": c, **rec}
+
+
+def _stop(llm: Any) -> None:
+    """Free the engine (its core runs in a child process) before the next one starts."""
+    try:
         engine = getattr(llm, "llm_engine", None)
         core = getattr(engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
     except Exception:  # noqa: BLE001
         pass
-    del llm
-    gc.collect()
-    return records
 
 
 def main(argv: list[str]) -> int:
