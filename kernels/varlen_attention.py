@@ -268,16 +268,19 @@ _PADDED_MAX_RUN = 16
 
 # The cost model that groups requests (see _group_by_slot), in ns on one core: an SDPA over
 # P slots × L keys with n query rows per slot costs about P·L·(52 + 11·n), plus a fixed cost per
-# call (the views, the gathers of its rows, the mask's conversion, the launch).  Fitted on
-# SmolLM2's heads, bf16, Intel Xeon AMX, 1 thread: 64 ns a key for decode rows, 98 / 137 ns for
-# merged verify rows of n = 4 / 8; 14 µs a call for one request alone, ~30 µs for a gathered group.
-# Only ratios matter — how many keys of padding one call saved is worth — and the result is flat
-# around it (kernels/bench_attention.py --mixed: within 5 % from 15 to 60 µs, except small batches).
-_CALL_NS = 30_000
+# call — ~14 µs for a lone decode token (views, launch), ~30 µs for a padded group (its mask, the
+# gather of its queries, its share of the final gather).  Fitted on SmolLM2's heads, bf16, Intel
+# Xeon AMX, 1 thread: 64 ns a key for decode rows whether padded or alone, 98 / 137 ns for merged
+# verify rows of n = 4 / 8 (one SDPA per request: 200 / 236).  So decode tokens are grouped only
+# to save calls, verify runs also for the cheaper merged rows.  Only ratios matter: how many keys
+# of padding one saved call is worth.
+_ALONE_NS = 14_000
+_GROUP_NS = 30_000
 
 
-def _group_cost(span: int, length: int, n_max: int) -> int:
-    return _CALL_NS + span * length * (52 + 11 * n_max)
+def _group_cost(span: int, length: int, n_max: int, members: int) -> int:
+    fixed = _ALONE_NS if members == 1 and n_max == 1 else _GROUP_NS
+    return fixed + span * length * (52 + 11 * n_max)
 
 
 def plan_varlen_attention(
@@ -362,10 +365,10 @@ def _group_by_slot(reqs: list[int], runs: list[int], sl: list[int], sp: list[int
             r = order[i]
             length, n_max = max(length, sp[r] + runs[r]), max(n_max, runs[r])
             span = sl[order[j - 1]] - sl[r] + 1
-            cost = best[i] + _group_cost(span, length, n_max)
+            cost = best[i] + _group_cost(span, length, n_max, j - i)
             if best[j] < 0 or cost < best[j]:
                 best[j], cut[j] = cost, i
-            if _CALL_NS + span * length * 63 >= best[j]:
+            if _ALONE_NS + span * length * 63 >= best[j]:
                 break  # a wider group can only cost more than the best so far
     groups, j = [], n
     while j > 0:
