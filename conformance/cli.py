@@ -187,17 +187,30 @@ def _run_case(args: argparse.Namespace) -> int:
 
 
 def _run_controls(args: argparse.Namespace) -> int:
-    from specforge_conformance.power import controls_table, run_controls
+    """The power run.  With ``--out`` the file is rewritten after every seed, and a file left by an
+    interrupted run at the same N is picked up: its finished seeds are kept, not run again."""
+    from specforge_conformance import controls
+    from specforge_conformance.power import controls_table, resumable, run_controls
 
     seeds = args.seeds or 20
-    def partial(done):
-        if args.out:
-            _write(args.out, {"controls": [r.to_dict() for r in done], "passed": all(r.ok for r in done),
-                              "complete": False})
+    names = args.controls or [*controls.SUBTLE, *controls.CONTROL_CASES]
+    resume = {}
+    if args.out and Path(args.out).is_file():
+        try:
+            resume = resumable(json.loads(Path(args.out).read_text()), names, args.n)
+        except (ValueError, KeyError, TypeError) as exc:
+            print(f"{args.out}: unreadable ({exc}); starting over", file=sys.stderr)
+        if resume:
+            print(f"{args.out}: resuming {', '.join(resume)}", file=sys.stderr)
 
-    reports = run_controls(args.controls or None, seeds=seeds, n=args.n,
-                           progress=lambda m: print(m, file=sys.stderr), on_report=partial)
+    def partial(done, in_progress):
+        if args.out:
+            _write(args.out, {"controls": [r.to_dict() for r in done], "in_progress": in_progress,
+                              "passed": all(r.ok for r in done), "complete": False})
+
+    reports = run_controls(names, seeds=seeds, n=args.n, progress=lambda m: print(m, file=sys.stderr),
+                           on_report=partial, resume=resume)
     ok = all(r.ok for r in reports)
     text = controls_table(reports) + f"\n\n{'every control rejected on every seed' if ok else 'SOME CONTROL SURVIVED'}"
-    _emit(args, {"controls": [r.to_dict() for r in reports], "passed": ok}, text)
+    _emit(args, {"controls": [r.to_dict() for r in reports], "passed": ok, "complete": True}, text)
     return 0 if ok else 1

@@ -12,16 +12,17 @@ value) at that level.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from specforge.plugins import PluginHost
 from specforge_conformance import controls, probes
 from specforge_conformance.harness import STATISTICS, Case, run_case
-from specforge_conformance.stats import power
+from specforge_conformance.stats import FitResult, power
 
-__all__ = ["CASE_ALPHA", "ControlReport", "control_case", "control_host", "controls_table", "run_controls"]
+__all__ = ["CASE_ALPHA", "ControlReport", "control_case", "control_host", "controls_table", "resumable",
+           "run_controls"]
 
 # A fast-tier run tests ~50 cases, each at α/50 (Bonferroni) and each of their statistics at a
 # sixth of that: the level the controls must beat.
@@ -67,6 +68,7 @@ class ControlReport:
     predicted_power: float
     mean_tv: float
     max_p: float
+    runs: list[dict[str, dict[str, Any]]] = field(default_factory=list, repr=False)  # per seed, per statistic
 
     @property
     def ok(self) -> bool:
@@ -76,25 +78,40 @@ class ControlReport:
         return dict(self.__dict__, ok=self.ok)
 
 
+def _seed_record(tests: Mapping[str, FitResult]) -> dict[str, dict[str, Any]]:
+    return {k: asdict(f) for k, f in tests.items()}
+
+
+def _seed_tests(record: Mapping[str, Mapping[str, Any]]) -> dict[str, FitResult]:
+    return {k: FitResult(**f) for k, f in record.items()}
+
+
 def run_controls(names: Iterable[str] | None = None, seeds: int = 20, n: int | None = None,
                  level: float = LEVEL, host: PluginHost | None = None,
                  progress: Callable[[str], None] | None = None,
-                 on_report: Callable[[list[ControlReport]], None] | None = None) -> list[ControlReport]:
-    """Run each control over ``seeds`` seeds at sample size ``n`` (``on_report`` sees the
-    reports so far after each control, so a long run leaves usable partial results)."""
+                 on_report: Callable[[list[ControlReport], dict[str, Any] | None], None] | None = None,
+                 resume: Mapping[str, Sequence[Mapping[str, Any]]] | None = None) -> list[ControlReport]:
+    """Run each control over ``seeds`` seeds at sample size ``n``.  ``on_report`` sees the reports
+    so far and the control in progress (``{"name", "n", "runs"}``) after every seed, so a long run
+    leaves usable partial results; ``resume`` maps a control's name to the per-seed statistics
+    (``runs``) of an interrupted run at the same N: those seeds are not run again."""
     host = control_host(host)
     out = []
     for name in names or [*controls.SUBTLE, *controls.CONTROL_CASES]:
         base = control_case(name, n, host=host)
-        law = base.law()
-        runs = []
-        for s in range(seeds):
+        runs = [_seed_tests(r) for r in (resume or {}).get(name, [])][:seeds]
+        if runs and progress:
+            progress(f"{name}: {len(runs)} of {seeds} seeds from the earlier run")
+        law = base.law() if len(runs) < seeds else None
+        for s in range(len(runs), seeds):
             result = run_case(replace(base, seed=base.seed + s * base.n * 11), host, law)
             runs.append(result.tests)
             caught = [k for k, f in result.tests.items() if f.rejects(level)]
             if progress:
                 progress(f"{name} seed {s}: caught by {', '.join(caught) or 'nothing'} "
                          f"(min p = {min(f.p_value for f in result.tests.values()):.3g})")
+            if on_report:
+                on_report(out, {"name": name, "n": base.n, "runs": [_seed_record(r) for r in runs]})
         stat = min(runs[0], key=lambda k: sorted(r[k].p_value for r in runs)[len(runs) // 2])
         fits = [r[stat] for r in runs]
         lam = max(sum(f.statistic - f.df for f in fits) / len(fits), 0.0)
@@ -102,10 +119,26 @@ def run_controls(names: Iterable[str] | None = None, seeds: int = 20, n: int | N
         out.append(ControlReport(
             name, base.n, seeds, sum(any(f.rejects(level) for f in r.values()) for r in runs), stat,
             lam, fits[0].df, 1.0 if impossible else power(fits[0].df, lam, level),
-            sum(f.tv for f in fits) / len(fits), max(f.p_value for f in fits)))
+            sum(f.tv for f in fits) / len(fits), max(f.p_value for f in fits), [_seed_record(r) for r in runs]))
         if on_report:
-            on_report(out)
+            on_report(out, None)
     return out
+
+
+def resumable(previous: Mapping[str, Any], names: Iterable[str], n: int | None,
+              host: PluginHost | None = None) -> dict[str, list[dict[str, Any]]]:
+    """The per-seed statistics of an earlier ``--controls --out`` file that a new run of ``names``
+    at ``n`` may keep: finished controls and the one that was in progress, at the same N."""
+    host = control_host(host)
+    keep: dict[str, list[dict[str, Any]]] = {}
+    entries = list(previous.get("controls", []))
+    if previous.get("in_progress"):
+        entries.append(previous["in_progress"])
+    for rec in entries:
+        name = rec.get("name")
+        if name in names and rec.get("runs") and rec.get("n") == control_case(name, n, host=host).n:
+            keep[name] = list(rec["runs"])
+    return keep
 
 
 def controls_table(reports: list[ControlReport]) -> str:

@@ -217,3 +217,28 @@ def test_the_report_states_the_minimum_detectable_effect_per_kind(tmp_path):
     assert "minimum detectable effect" in run.stdout and "not run" in run.stdout
     report = json.loads(out.read_text())
     assert "scheduler" in report["detectable"] and report["detectable"]["scheduler"]["sequence"] > 0
+
+
+def test_the_power_run_resumes_an_interrupted_out_file_seed_by_seed(tmp_path):
+    """`--controls … --out F` rewrites F after every seed; a second call at the same N keeps the
+    seeds F holds (finished controls and the one in progress) and runs only the rest."""
+    out = tmp_path / "controls.json"
+    args = [sys.executable, "-m", "specforge", "conformance", "--controls", "tree-stale-residual",
+            "--n", "2000", "--out", str(out)]
+    first = subprocess.run([*args, "--seeds", "1"], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-2000:]
+    done = json.loads(out.read_text())
+    assert done["complete"] and len(done["controls"][0]["runs"]) == 1
+    # as an interrupted 2-seed run would have left it: the first seed of the control in progress
+    out.write_text(json.dumps({"controls": [], "in_progress": {"name": "tree-stale-residual", "n": 2000,
+                                                               "runs": done["controls"][0]["runs"]},
+                               "complete": False}))
+    second = subprocess.run([*args, "--seeds", "2"], capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resuming tree-stale-residual" in second.stderr and "1 of 2 seeds from the earlier run" in second.stderr
+    assert "seed 0:" not in second.stderr and "seed 1:" in second.stderr
+    report = json.loads(out.read_text())["controls"][0]
+    assert report["seeds"] == report["rejected"] == 2 and report["runs"][0] == done["controls"][0]["runs"][0]
+    # another N is another experiment: nothing is kept
+    third = subprocess.run([*args[:-4], "--n", "3000", "--out", str(out), "--seeds", "1"], capture_output=True, text=True)
+    assert third.returncode == 0 and "resuming" not in third.stderr
