@@ -339,7 +339,7 @@ def plan_varlen_attention(
                 alone = tuple(sorted(alone))
                 groups = tuple(_plan_padded(cu, sl, sp, device, group, g) for g in padded)
                 return VarlenPlan(cu, sl, sp, None, groups=groups, alone=alone,
-                                  gather=_gather_index(cu, sl, padded, groups, alone).to(device))
+                                  gather=_gather_index(cu, padded, groups, alone).to(device))
     elif batched and sl and len(set(sl)) == len(sl) and min(cu[r + 1] - cu[r] for r in range(len(sl))) > 0:
         return VarlenPlan(cu, sl, sp, _plan_padded(cu, sl, sp, device, group, range(len(sl))))
     return VarlenPlan(cu, sl, sp, None)
@@ -377,14 +377,14 @@ def _group_by_slot(reqs: list[int], runs: list[int], sl: list[int], sp: list[int
     return groups[::-1]
 
 
-def _gather_index(cu: list[int], sl: list[int], reqs: list[list[int]], groups: tuple[_Padded, ...],
-                  alone: tuple[int, ...]) -> Tensor:
-    """Flat token -> row of the groups' padded outputs followed by the lone requests' outputs."""
+def _gather_index(cu: list[int], reqs: list[list[int]], groups: tuple[_Padded, ...], alone: tuple[int, ...]) -> Tensor:
+    """Flat token -> row of the groups' padded outputs (each group's ``out_index``, offset by the
+    groups before it) followed by the lone requests' outputs."""
     index = torch.empty(cu[-1], dtype=torch.long)
     offset = 0
     for rs, p in zip(reqs, groups):
-        for r in rs:
-            index[cu[r]:cu[r + 1]] = offset + (sl[r] - p.base) * p.n_max + torch.arange(cu[r + 1] - cu[r])
+        rows = torch.cat([torch.arange(cu[r], cu[r + 1]) for r in rs])
+        index[rows] = offset + p.out_index.cpu()  # a group is never the whole pass: it always has one
         offset += p.span * p.n_max
     for r in alone:
         index[cu[r]:cu[r + 1]] = offset + torch.arange(cu[r + 1] - cu[r])

@@ -159,8 +159,8 @@ def _vllm_records(batch: list[list[int]], r: int, max_new_tokens: int, model: st
         out.append({"arm": arm, "system": "vllm-cpu", "concurrency": r, "status_line": line,
                     "requests": rec.get("n_requests"), "new_tokens": rec.get("new_tokens"), "seconds": rec.get("wall_s"),
                     "tok_s": rec.get("tok_s") if rec.get("status") == "ok" else None,
-                    "tok_s_per_user": rec.get("per_request_tok_s"), "ttft_s": rec.get("ttft_s"),
-                    "itl_s": rec.get("itl_s"),
+                    "tok_s_per_user": rec.get("per_request_tok_s"), "ttft_s": _percentiles(rec.get("ttft_s_each") or []),
+                    "itl_s": _percentiles(rec.get("itl_s_each") or []),
                     "tau": 1.0 + spec["mean_accepted_per_draft"] if spec.get("mean_accepted_per_draft") is not None else None,
                     "extra": rec.get("extra")})
     return out
@@ -246,8 +246,9 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
                 f"verified/round {rec['verified_per_round']:.2f}")
         if vllm:
             for rec in _vllm_records(batch, r, max_new_tokens, first.target.model, first.target.dtype):
-                if rec["arm"] not in vllm_status:
-                    vllm_status[rec["arm"]] = rec.pop("status_line")
+                line = rec.pop("status_line")
+                if line != "ok" or rec["arm"] not in vllm_status:
+                    vllm_status[rec["arm"]] = line  # a failure at any R is what the result reports
                 if rec.get("tok_s"):
                     records.append(rec)
                     say(f"R={r:<3} {rec['arm']:<14} {rec['tok_s']:7.1f} tok/s")

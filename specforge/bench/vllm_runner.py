@@ -117,6 +117,16 @@ def _spec_counters(llm: Any) -> dict[str, float]:
     return out
 
 
+def _spec_decode(before: dict[str, float], after: dict[str, float]) -> dict[str, Any] | None:
+    """What vLLM's draft counters say of the timed span (None: no drafts, or no counters)."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    if not after or d["drafts"] <= 0:
+        return None
+    return {**{k: int(v) for k, v in d.items()},
+            "acceptance_rate": round(d["accepted_tokens"] / d["draft_tokens"], 4) if d["draft_tokens"] else None,
+            "mean_accepted_per_draft": round(d["accepted_tokens"] / d["drafts"], 4)}
+
+
 def _loadavg() -> float | None:
     """1-minute load average: other work on the machine skews the timings."""
     try:
@@ -193,33 +203,20 @@ def _measure(llm: Any, prompts: list[Any], c: int, req: dict[str, Any]) -> dict[
         },
         "extra": {"latency_source": "+".join(sorted(sources)), "loadavg": [load_before, _loadavg()]},
     }
-    if after:
-        d = {k: after.get(k, 0) - before.get(k, 0) for k in ("drafts", "draft_tokens", "accepted_tokens")}
-        if d["drafts"] > 0:
-            rec["extra"]["spec_decode"] = {
-                **{k: int(v) for k, v in d.items()},
-                "acceptance_rate": round(d["accepted_tokens"] / d["draft_tokens"], 4) if d["draft_tokens"] else None,
-                "mean_accepted_per_draft": round(d["accepted_tokens"] / d["drafts"], 4),
-            }
+    spec = _spec_decode(before, after)
+    if spec:
+        rec["extra"]["spec_decode"] = spec
     if req.get("keep_tokens"):
         rec["outputs"] = outputs
     return rec
-
-
-def _percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    if len(values) == 1:
-        return dict.fromkeys(("p50", "p90", "p99"), round(values[0], 5))
-    q = statistics.quantiles(values, n=100, method="inclusive")
-    return {"p50": round(q[49], 5), "p90": round(q[89], 5), "p99": round(q[98], 5)}
 
 
 def _measure_closed(llm: Any, prompts: list[Any], c: int, req: dict[str, Any]) -> dict[str, Any]:
     """Every prompt once in ONE generate call; the engine was built with ``max_num_seqs = c``, so
     c requests are in flight at every moment.  Per request, from vLLM's engine timestamps: time to
     first token and inter-token latency counted from when it was first scheduled (the wait for a
-    free seat excluded, as specforge's closed loop counts from admission), and its own tokens/s."""
+    free seat excluded, as specforge's closed loop counts from admission), and its own tokens/s —
+    every request's value (``ttft_s_each``, ``itl_s_each``), for the caller to summarise."""
     from vllm import SamplingParams
 
     max_new = int(req.get("max_new_tokens", 128))
@@ -252,14 +249,12 @@ def _measure_closed(llm: Any, prompts: list[Any], c: int, req: dict[str, Any]) -
         "prompt_tokens": sum(len(o.prompt_token_ids or []) for o in outs), "wall_s": round(wall, 4),
         "tok_s": round(new_tokens / wall, 3) if wall > 0 else None,
         "per_request_tok_s": round(statistics.fmean(per_user), 3) if per_user else None,
-        "ttft_s": _percentiles(ttft), "itl_s": _percentiles(itl),
+        "ttft_s_each": [round(x, 5) for x in ttft], "itl_s_each": [round(x, 5) for x in itl],
         "extra": {"closed_loop": True, "loadavg": [load_before, _loadavg()], "timed_requests": len(ttft)},
     }
-    if after:
-        d = {k: after.get(k, 0) - before.get(k, 0) for k in ("drafts", "draft_tokens", "accepted_tokens")}
-        if d["drafts"] > 0:
-            rec["extra"]["spec_decode"] = {**{k: int(v) for k, v in d.items()},
-                                           "mean_accepted_per_draft": round(d["accepted_tokens"] / d["drafts"], 4)}
+    spec = _spec_decode(before, after)
+    if spec:
+        rec["extra"]["spec_decode"] = spec
     return rec
 
 
