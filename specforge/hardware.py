@@ -35,7 +35,7 @@ from torch import Tensor
 
 from specforge.errors import SpecforgeError
 
-__all__ = ["FORMAT", "VERSION", "HardwareProfile", "HardwareProfileError"]
+__all__ = ["FORMAT", "VERSION", "DraftCost", "HardwareProfile", "HardwareProfileError"]
 
 FORMAT = "specforge.hardware_profile"
 VERSION = 1
@@ -207,3 +207,72 @@ class HardwareProfile:
         except HardwareProfileError as exc:
             raise HardwareProfileError(f"hardware profile {str(path)!r}: {exc}") from None
 
+
+
+DRAFT_COST_FORMAT = "specforge.draft_cost"
+
+
+class DraftCost:
+    """What drafting costs per round, ρ(R): the seconds the drafter, confidence estimator and
+    calibrator spend on a round of R requests over the seconds of the target's plain pass of those
+    R requests (so 0.2 = drafting adds a fifth of a plain step).
+
+    A dimensionless ratio, measured in the same loop as its denominator, carries over to the step
+    curve: a round that verifies n drafts costs (1/SPS(R + n) + ρ(R)/SPS(R)) seconds.  Between
+    measured R it is piecewise linear; outside them it stays at the nearest point.
+
+    Args:
+        points: ``{R: ρ}`` (R ≥ 1 integer, ρ ≥ 0 finite), or one number for every R.
+    """
+
+    def __init__(self, points: Mapping[int, float] | float, *, device: str = UNKNOWN, target: str = UNKNOWN,
+                 pipeline: str = UNKNOWN) -> None:
+        if isinstance(points, (int, float)) and not isinstance(points, bool):
+            points = {1: float(points)}
+        if not isinstance(points, Mapping) or not points:
+            raise HardwareProfileError(f"drafting cost needs {{R: ratio}} points or one number, got {points!r}")
+        clean = {}
+        for r, v in points.items():
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                raise HardwareProfileError(f"drafting cost: R = {r!r} is not a positive integer")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+                raise HardwareProfileError(f"drafting cost at R = {r}: {v!r} is not a non-negative finite number")
+            clean[r] = float(v)
+        ordered = sorted(clean.items())
+        self.requests = torch.tensor([r for r, _ in ordered], dtype=torch.float64)
+        self.values = torch.tensor([v for _, v in ordered], dtype=torch.float64)
+        self.device, self.target, self.pipeline = str(device), str(target), str(pipeline)
+
+    def ratio(self, num_requests: int) -> float:
+        """ρ at ``num_requests`` requests."""
+        xs, ys = self.requests.tolist(), self.values.tolist()
+        r = float(num_requests)
+        if r <= xs[0]:
+            return ys[0]
+        if r >= xs[-1]:
+            return ys[-1]
+        hi = next(i for i, x in enumerate(xs) if x >= r)
+        t = (r - xs[hi - 1]) / (xs[hi] - xs[hi - 1])
+        return ys[hi - 1] + t * (ys[hi] - ys[hi - 1])
+
+    def points(self) -> list[tuple[int, float]]:
+        return [(int(r), float(v)) for r, v in zip(self.requests.tolist(), self.values.tolist())]
+
+    def __repr__(self) -> str:
+        return f"DraftCost({dict(self.points())!r}, device={self.device!r}, pipeline={self.pipeline!r})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": DRAFT_COST_FORMAT, "version": VERSION, "device": self.device, "target": self.target,
+                "pipeline": self.pipeline, "points": [[r, v] for r, v in self.points()]}
+
+    @classmethod
+    def load(cls, path: str | Path) -> DraftCost:
+        """Read a file written from :meth:`to_dict`; errors name the file."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            if data.get("format") != DRAFT_COST_FORMAT:
+                raise HardwareProfileError(f"format is {data.get('format')!r}, expected {DRAFT_COST_FORMAT!r}")
+            return cls({int(r): v for r, v in data["points"]}, device=data.get("device", UNKNOWN),
+                       target=data.get("target", UNKNOWN), pipeline=data.get("pipeline", UNKNOWN))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise HardwareProfileError(f"drafting cost {str(path)!r} cannot be read: {exc}") from None

@@ -36,13 +36,13 @@ from typing import Any
 
 import torch
 
-from specforge.hardware import HardwareProfile
+from specforge.hardware import DraftCost, HardwareProfile
 from specforge.target.adapter import dtype_name
 from specforge.target import TargetModel
 from specforge.target.batch import VarlenBatch
 
-__all__ = ["DEFAULT_BATCHES", "machine_profile", "measure_sps", "non_increasing", "plot_profile", "profile_table",
-           "split_tokens"]
+__all__ = ["DEFAULT_BATCHES", "DRAFT_COST_REQUESTS", "machine_draft_cost", "machine_profile", "measure_draft_cost",
+           "measure_sps", "non_increasing", "plot_profile", "profile_table", "split_tokens"]
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -180,6 +180,96 @@ def machine_profile(target: TargetModel, log: Any = None) -> HardwareProfile:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(profile.to_dict(), indent=2) + "\n")
     return profile
+
+
+DRAFT_COST_REQUESTS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class _VerifyNothing:
+    """The scheduler a drafting-cost measurement runs with: every round drafts, none verifies."""
+
+    def schedule(self, confidence: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(available, dtype=torch.long)
+
+
+def measure_draft_cost(engine: Any, requests: Sequence[int] = DRAFT_COST_REQUESTS, context: int = 96,
+                       rounds: int = 8) -> DraftCost:
+    """ρ(R) of ``engine``'s drafting side (drafter, correction head, confidence, calibrator): for
+    each R, R synthetic requests of ``context`` tokens run ``rounds`` rounds that draft a full
+    block and verify none of it, in a cache of their own; ρ is the median seconds of a round's
+    drafting over the median seconds of its (plain) target pass, the first two rounds left out
+    (first-call allocations).  The engine comes back as it was."""
+    from specforge.engine import GenerationRequest
+
+    saved = engine.scheduler, engine.cache, engine.context_limit, engine.config
+    vocab = engine.target.vocab_size
+    ids = torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    points = {}
+    try:
+        engine.scheduler = _VerifyNothing()
+        engine._measuring = True  # the calibrator's observe() must not learn from these rounds
+        # Enough new tokens that every measured round drafts a whole block (verifying nothing,
+        # each round commits one token).
+        new_tokens = rounds + int(getattr(engine.drafter, "gamma", 0) or 0) + 2
+        engine.context_limit = context + new_tokens + 8
+        engine.cache = engine.target.new_cache(max(requests), engine.context_limit)
+        for r in requests:
+            rids = [engine.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=new_tokens, temperature=0.0,
+                                                    ignore_eos=True)) for _ in range(r)]
+            draft, target = [], []
+            while engine.busy:
+                before = sum(engine.draft_seconds.values()), engine.phase_seconds["target"]
+                engine.step()
+                draft.append(sum(engine.draft_seconds.values()) - before[0])
+                target.append(engine.phase_seconds["target"] - before[1])
+            for rid in rids:
+                engine.take_output(rid)
+            draft, target = draft[2:rounds], target[2:rounds]
+            points[r] = statistics.median(draft) / max(statistics.median(target), 1e-9)
+    finally:
+        engine.scheduler, engine.cache, engine.context_limit, engine.config = saved
+        engine._measuring = False
+        for book in (engine.phase_seconds, engine.draft_seconds):
+            for k in book:
+                book[k] = 0.0
+        engine.plain_rounds = 0
+    from specforge.bench.machine import machine
+
+    return DraftCost(points, device=machine()["cpu"], target=str(engine.target.name))
+
+
+def _drafting_key(engine: Any) -> str:
+    """What a drafting cost depends on: the target and machine (as a step curve), and every
+    drafting-side component with its settings."""
+    import hashlib
+
+    parts = []
+    for slot in ("drafter", "correction_head", "confidence", "calibrator"):
+        part = getattr(engine, slot)
+        config = getattr(part, "config", None)
+        settings = config.model_dump_json() if hasattr(config, "model_dump_json") else repr(config)
+        parts.append([slot, f"{type(part).__module__}.{type(part).__qualname__}", settings,
+                      getattr(part, "gamma", None)])
+    key = json.dumps([_profile_key(engine.target), parts], sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def machine_draft_cost(engine: Any, log: Any = None) -> DraftCost:
+    """This machine's ρ(R) for ``engine``'s drafting side: measured once (seconds) and cached
+    under ``$SPECFORGE_CACHE_DIR/profiles`` beside the step curve — what ``draft_cost: auto``
+    of the hardware-aware schedulers reads."""
+    from specforge.files import write_atomic
+    from specforge.target.loading import cache_root
+
+    path = cache_root() / "profiles" / f"{Path(engine.target.name).name}-draft-{_drafting_key(engine)}.json"
+    if path.is_file():
+        return DraftCost.load(path)
+    (log or (lambda msg: print(msg, file=sys.stderr, flush=True)))(
+        f"measuring what drafting costs on this machine once (cached in {path})")
+    cost = measure_draft_cost(engine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(cost.to_dict(), indent=2) + "\n")
+    return cost
 
 
 def profile_table(records: Sequence[dict[str, Any]]) -> str:

@@ -41,13 +41,18 @@ def head_config(name: str) -> dict:
     return {} if name == "none" else {"rank": 8, "zero_init": False, "seed": 3}
 
 
+# hw-prefix whose drafting costs three plain steps: drafting never pays, so after each drafted
+# round the gate runs two plain rounds (features pile up between drafts).
+GATED = ("hw-prefix", {"sps": [1.0, 0.5, 0.45], "draft_cost": 3.0, "probe_every": 2})
+
+
 def make_engine(target, host, drafter=None, head="markov", confidence="dspark-head", batch=3,
-                temperature=0.0, top_k=0, new=12, verifier="rejection"):
+                temperature=0.0, top_k=0, new=12, verifier="rejection", scheduler=("fixed", {})):
     drafter = drafter if drafter is not None else host.create_drafter("dspark", {"gamma": 4, "layers": 2})
     return Engine(target, host.create_verifier(verifier), drafter=drafter,
                   correction_head=host.create_correction_head(head, head_config(head)),
                   confidence=host.create_confidence(confidence, {"rank": 8} if confidence == "dspark-head" else {}),
-                  calibrator=host.create_calibrator("identity", {}), scheduler=host.create_scheduler("fixed", {}),
+                  calibrator=host.create_calibrator("identity", {}), scheduler=host.create_scheduler(*scheduler),
                   sampling=SamplingConfig(temperature=temperature, top_k=top_k, max_new_tokens=new),
                   engine=EngineConfig(max_batch=batch, max_context=96))
 
@@ -87,9 +92,17 @@ def test_greedy_output_equals_plain_decoding(target, host, greedy, head, confide
     assert sum(o.stats.verified for o in outs) > 0  # drafts were really verified
 
 
-def test_features_are_the_targets_taps_of_exactly_the_committed_positions(target, host):
+def test_gated_rounds_keep_greedy_parity(target, host, greedy):
+    engine = make_engine(target, host, batch=3, scheduler=GATED)
+    outs = engine.generate(requests())
+    assert [o.token_ids for o in outs] == greedy
+    assert engine.plain_rounds > 0 and sum(o.stats.drafted for o in outs) > 0  # both kinds of round ran
+
+
+@pytest.mark.parametrize("scheduler", [("fixed", {}), GATED], ids=["every-round", "gated"])
+def test_features_are_the_targets_taps_of_exactly_the_committed_positions(target, host, scheduler):
     drafter = Recorder(host.get("drafter", "dspark").config(gamma=3, layers=1, target_layers=(2, 0)))
-    engine = make_engine(target, host, drafter=drafter, temperature=1.0, batch=3)
+    engine = make_engine(target, host, drafter=drafter, temperature=1.0, batch=3, scheduler=scheduler)
     assert engine.taps == (2, 0)
     outs = engine.generate(requests())
     got: dict[int, list] = {}
@@ -112,6 +125,7 @@ def test_features_are_the_targets_taps_of_exactly_the_committed_positions(target
         worst = max(worst, float((states[:, 0] - ref[2][pos]).abs().max()),
                     float((states[:, 1] - ref[0][pos]).abs().max()))
     assert worst <= FEATURE_TOL, worst
+    assert (engine.plain_rounds > 0) == (scheduler is GATED)
 
 
 def test_no_taps_for_plain_decoding_or_model_free_drafters(target, host, monkeypatch):
@@ -237,7 +251,7 @@ def test_checkpoint_drafts_exactly_like_the_model_it_saved(target, host, tmp_pat
                     drafter=host.create_drafter("dspark", {"checkpoint": str(tmp_path)}),
                     correction_head=host.create_correction_head("markov", {"rank": 8, "seed": 99}),
                     confidence=host.create_confidence("entropy", {}),
-                    calibrator=host.create_calibrator("identity", {}), scheduler=host.create_scheduler("fixed", {}),
+                    calibrator=host.create_calibrator("identity", {}), scheduler=host.create_scheduler(*scheduler),
                     sampling=SamplingConfig(temperature=0.0, max_new_tokens=12),
                     engine=EngineConfig(max_batch=3, max_context=96))
     assert loaded.drafter.gamma == 4

@@ -231,7 +231,8 @@ def test_profile_auto_measures_this_machines_curve_once_and_the_engine_binds_it(
 
     first, e1 = engine()
     assert measured == [1] and [b for b, _ in first.profile.points()] == list(profiling.AUTO_BATCHES)
-    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+    files = sorted(p.name for p in (tmp_path / "profiles").glob("*.json"))
+    assert len(files) == 2 and sum("-draft-" in f for f in files) == 1  # the step curve and the drafting cost
     second, e2 = engine()
     assert measured == [1] and second.profile == first.profile
     out = e2.generate([GenerationRequest(prompt_ids=[3, 4, 5], max_new_tokens=6, temperature=0.0)])

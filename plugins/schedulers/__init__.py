@@ -29,11 +29,13 @@ __all__ = [
 
 
 # Step curves SPS(B) for the conformance suite: Appendix A's, a flat one (verification is free, so
-# everything is admitted) and a steep one (admission stops early and depends on the confidences).
+# everything is admitted), a steep one (admission stops early and depends on the confidences), and
+# the steep one with a drafting cost, so that the draft gate opens and closes between rounds.
 SPS_EXAMPLES = (
     {"sps": [1.0, 0.5, 0.45]},
     {"sps": [1.0] * 64},
     {"sps": [1.0, 0.8, 0.6, 0.5, 0.42, 0.36, 0.3, 0.25]},
+    {"sps": [1.0, 0.8, 0.6, 0.5, 0.42, 0.36, 0.3, 0.25], "draft_cost": 0.4, "probe_every": 2},
 )
 
 

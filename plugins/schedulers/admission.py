@@ -76,14 +76,22 @@ class AdmissionPath:
         # Prefix-closedness makes the count of admitted positions of a request equal its length.
         return torch.bincount(self.rows[:n], minlength=self.num_requests).to(torch.long)
 
-    def throughput(self, profile: HardwareProfile) -> Tensor:
-        """``[N+1]`` float64 Θ_0..Θ_N along the path."""
+    def throughput(self, profile: HardwareProfile, draft_cost: float = 0.0) -> Tensor:
+        """``[N+1]`` float64 Θ_0..Θ_N along the path.
+
+        ``draft_cost`` is ρ, what this round's drafting cost in plain steps of R requests
+        (:class:`~specforge.hardware.DraftCost`): with it a round of n verified drafts takes
+        1/SPS(R + n) + ρ/SPS(R) seconds and Θ_n = τ_n / that.  The drafting is already paid when
+        the round is scheduled, so a larger ρ makes admission more generous, never less; ρ = 0 is
+        the paper's Θ_n = τ_n · SPS(B_n) (drafting hidden behind verification)."""
         r = self.num_requests
         # τ_n accumulated as ((R + a_1) + a_2) + …, the order Algorithm 1 adds in, so that the
         # stopping decision agrees bit for bit with a sequential implementation.
         tau = torch.cumsum(torch.cat([self.survival.new_full((1,), float(r)), self.survival]), 0)
         batch = r + torch.arange(len(self) + 1, device=self.survival.device, dtype=torch.float64)
-        return tau * profile.sps(batch)
+        if not draft_cost:
+            return tau * profile.sps(batch)
+        return tau / (1.0 / profile.sps(batch) + draft_cost / profile.sps(max(r, 1)))
 
 
 def admission_path(confidence: Tensor, available: Tensor) -> AdmissionPath:

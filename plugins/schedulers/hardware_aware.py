@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 from torch import Tensor
 
-from specforge.hardware import HardwareProfile
+from specforge.hardware import DraftCost, HardwareProfile
 from specforge_plugins.schedulers.admission import admission_path, causal_count, global_count
 
 __all__ = ["AsyncTopKConfig", "AsyncTopKScheduler", "HardwareConfig", "HwPrefixScheduler"]
@@ -27,6 +29,16 @@ class HardwareConfig(BaseModel):
         default=None, description="JSON hardware profile written by `specforge profile`, or 'auto': this "
                                   "machine's, measured once for the bound target and cached"
     )
+    draft_cost: Literal["auto"] | NonNegativeFloat | None = Field(
+        default=None, description="what drafting a round costs, in plain steps of the same requests (ρ): a number, "
+                                  "'auto' (this pipeline's, measured by the engine on this machine once and cached), "
+                                  "or null: 'auto' with profile: auto, else 0 (drafting hidden behind verification, "
+                                  "the paper's rule)"
+    )
+    probe_every: PositiveInt = Field(
+        default=16, description="once drafting stopped paying at some request count, rounds without drafting "
+                                "before one round drafts again to look"
+    )
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> HardwareConfig:
@@ -43,10 +55,30 @@ class HardwareConfig(BaseModel):
 
 
 class _HardwareAware:
-    """The step curve of a hardware-aware scheduler; ``auto`` is resolved at bind()."""
+    """The step curve of a hardware-aware scheduler (``auto`` is resolved at bind()), the drafting
+    cost ρ(R), and the draft gate.
+
+    **The gate.**  Where drafting is not free (ρ > 0, a CPU runs drafter and target one after the
+    other), a round may cost more than it brings: at a load where the step curve leaves no room
+    for drafts, the drafting alone makes speculation slower than plain decoding.  Before anything
+    is drafted the engine asks :meth:`draft_gate`; the answer compares, over the last drafted
+    rounds at the same number of requests, the expected throughput of the round the scheduler
+    chose (drafting included) with plain decoding's R·SPS(R).  Where drafting did not pay the
+    round runs plain, and one round in ``probe_every + 1`` drafts again to look.  The gate reads
+    only rounds already scheduled — nothing of the round it decides exists yet — so it is causal
+    (docs/design/verification.md#causality).
+    """
 
     config: HardwareConfig
     profile: HardwareProfile | None
+    _GAIN_WINDOW = 4  # drafted rounds per request count whose gains the gate averages
+
+    def _init_cost(self) -> None:
+        cost = self.config.draft_cost
+        self._auto_cost = cost == "auto" or (cost is None and self.config.profile == "auto")
+        self.draft_cost: DraftCost | None = DraftCost(cost) if isinstance(cost, float) and cost > 0 else None
+        self._gains: dict[int, deque[float]] = {}
+        self._skipped: dict[int, int] = {}
 
     def bind(self, target: Any) -> None:
         from specforge.target.adapter import dtype_name
@@ -58,10 +90,46 @@ class _HardwareAware:
         elif isinstance(self.config.profile, Path):  # a file: measured for this target and dtype?
             self.profile.check_fits(str(target.name), dtype_name(target.dtype), source=f"profile {self.config.profile}")
 
+    def bind_draft_cost(self, measure: Callable[[], DraftCost]) -> None:
+        """The engine offers this pipeline's drafting cost on this machine (measured once and
+        cached); it is read only when ``draft_cost`` is ``auto``."""
+        if self._auto_cost:
+            self.draft_cost = measure()
+
     def _curve(self) -> HardwareProfile:
         if self.profile is None:
             raise RuntimeError("profile: auto needs the target's step curve: bind() the scheduler to a target first")
         return self.profile
+
+    def _rho(self, num_requests: int) -> float:
+        return 0.0 if self.draft_cost is None else self.draft_cost.ratio(num_requests)
+
+    def draft_gate(self, num_requests: int) -> bool:
+        """Whether this round drafts at all (see the class docstring)."""
+        if not self._rho(num_requests):
+            return True
+        gains = self._gains.get(num_requests)
+        if not gains or statistics.fmean(gains) > 1.0:
+            return True
+        skipped = self._skipped.get(num_requests, 0) + 1
+        if skipped > self.config.probe_every:
+            skipped = 0
+        self._skipped[num_requests] = skipped
+        return skipped == 0
+
+    def _admit(self, path: Any, theta: Tensor, n: int) -> Tensor:
+        """Verify lengths of the first ``n`` candidates; note what the round gains over plain
+        decoding (Θ_n ÷ R·SPS(R)) for the gate."""
+        r = path.num_requests
+        if r and self.draft_cost is not None:
+            gains = self._gains.setdefault(r, deque(maxlen=self._GAIN_WINDOW))
+            gains.append(float(theta[n]) / (r * self._curve().sps(r)))
+        return path.lengths(n)
+
+    def reset(self) -> None:
+        """Forget the gate's history (between independent runs)."""
+        self._gains.clear()
+        self._skipped.clear()
 
 
 class HwPrefixScheduler(_HardwareAware):
@@ -75,10 +143,12 @@ class HwPrefixScheduler(_HardwareAware):
     def __init__(self, config: HardwareConfig) -> None:
         self.config = config
         self.profile = config.hardware_profile()
+        self._init_cost()
 
     def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
         path = admission_path(confidence, available)
-        return path.lengths(causal_count(path.throughput(self._curve())))
+        theta = path.throughput(self._curve(), self._rho(path.num_requests))
+        return self._admit(path, theta, causal_count(theta))
 
 
 class AsyncTopKConfig(HardwareConfig):
@@ -115,17 +185,20 @@ class AsyncTopKScheduler(_HardwareAware):
     def __init__(self, config: AsyncTopKConfig) -> None:
         self.config = config
         self.profile = config.hardware_profile()
+        self._init_cost()
         self._ahead: deque[int] = deque()  # capacities computed by earlier calls, oldest first
         self.last_capacity: int | None = None  # the K used by the latest call (None = no cap)
 
     def reset(self) -> None:
+        super().reset()
         self._ahead.clear()
         self.last_capacity = None
 
     def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
         path = admission_path(confidence, available)
         capacity = self._ahead.popleft() if len(self._ahead) == 2 else self.config.initial_capacity
-        self._ahead.append(global_count(path.throughput(self._curve())))
+        theta = path.throughput(self._curve(), self._rho(path.num_requests))
+        self._ahead.append(global_count(theta))
         self.last_capacity = capacity
         n = len(path) if capacity is None else min(capacity, len(path))
-        return path.lengths(n)
+        return self._admit(path, theta, n)

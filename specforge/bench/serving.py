@@ -135,6 +135,9 @@ def _measure(engine: Any, prompts: list[list[int]], max_new_tokens: int) -> dict
         "ttft_s": _percentiles(ttft), "itl_s": _percentiles(itl), "tau": pooled.tau, "rounds": pooled.rounds,
         "verified_per_round": pooled.verified / pooled.rounds if pooled.rounds else 0.0,
         "verify_waste": (pooled.verified - pooled.accepted) / pooled.verified if pooled.verified else 0.0,
+        # Rounds the scheduler's draft gate ran plain, and the share of the rounds' time spent drafting.
+        "plain_rounds": engine.plain_rounds,
+        "draft_share": engine.phase_seconds["draft"] / max(sum(engine.phase_seconds.values()), 1e-12),
     }
 
 

@@ -119,6 +119,11 @@ class Engine:
         # ``observe`` (e.g. ``specforge calibrate``'s recorder).
         self.round_observers: list[Any] = []
         self._raw_confidence: Tensor | None = None  # the current round's, for its outcome
+        self.plain_rounds = 0  # rounds a drafting pipeline ran without drafting (the scheduler's draft gate)
+        self._measuring = False  # a drafting-cost measurement is running (profiling.measure_draft_cost)
+        bind_cost = getattr(scheduler, "bind_draft_cost", None)
+        if drafter is not None and callable(bind_cost):
+            bind_cost(self._measure_draft_cost)
 
     def _bind(self, drafter, correction_head, confidence, calibrator=None, scheduler=None) -> None:
         """Lifecycle steps 1–2 (:mod:`specforge.components`): bind every component that has a
@@ -337,6 +342,12 @@ class Engine:
         self._lap("commit", clock)
         return events
 
+    def _measure_draft_cost(self) -> Any:
+        """ρ(R) of this pipeline's drafting on this machine (cached; :func:`specforge.profiling.machine_draft_cost`)."""
+        from specforge.profiling import machine_draft_cost
+
+        return machine_draft_cost(self)
+
     def _lap(self, phase: str, since: float) -> float:
         now = time.perf_counter()
         book = self.phase_seconds if phase in self.phase_seconds else self.draft_seconds
@@ -346,7 +357,11 @@ class Engine:
     def _draft(self, states: list[_Active], sampling: SamplingParams) -> tuple[DraftBlock, Tensor]:
         r = len(states)
         self._raw_confidence = None
-        if self.drafter is None:
+        gate = getattr(self.scheduler, "draft_gate", None)
+        if self.drafter is None or (callable(gate) and not gate(r)):
+            # No drafter, or a scheduler that knows before drafting that this round would not pay
+            # for its drafts: a plain round (the committed features wait for the next draft).
+            self.plain_rounds += self.drafter is not None
             empty = DraftBlock(tokens=torch.zeros(r, 0, dtype=torch.long), lengths=torch.zeros(r, dtype=torch.long))
             return empty, empty.lengths
         room = [min(self.drafter.gamma, s.max_new_tokens - len(s.output) - 1,
@@ -382,7 +397,7 @@ class Engine:
                  sampling: SamplingParams) -> None:
         """Tell the calibrator (``observe``) and the round observers what the verified round showed."""
         observe = getattr(self.calibrator, "observe", None)
-        if not callable(observe) and not self.round_observers:
+        if self._measuring or (not callable(observe) and not self.round_observers):
             return
         index = torch.tensor(keep, dtype=torch.long)
         available = block.lengths.to(torch.long).clamp(max=self._raw_confidence.shape[1])[index]
@@ -422,7 +437,10 @@ class Engine:
             - torch.repeat_interleave(before, counts)
         lo = 0
         for r, n in zip(keep, counts.tolist()):
-            states[r].features = (positions[lo:lo + n], kept[lo:lo + n])
+            pending = states[r].features  # a round that did not draft left its features here
+            pos, rows = positions[lo:lo + n], kept[lo:lo + n]
+            states[r].features = (pos, rows) if pending is None else (torch.cat([pending[0], pos]),
+                                                                      torch.cat([pending[1], rows]))
             lo += n
 
     @staticmethod
