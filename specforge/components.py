@@ -17,7 +17,10 @@ caller of the steps below, in this order; no component hands another one around.
 
 1. ``bind(target)`` — each component that has it (any kind) is sized from the target (vocabulary,
    hidden size, depth) and takes the target's frozen tensors it reads; a hardware-aware
-   scheduler reads the target's step curve on this machine.
+   scheduler reads the target's step curve on this machine.  A scheduler with
+   ``bind_draft_cost(measure)`` is then offered what drafting costs this pipeline on this machine
+   (``measure()`` returns a :class:`specforge.hardware.DraftCost`, measured once and cached; call
+   it only if you need it).
 2. *Weights* — a drafter whose checkpoint also trained other components of the round lists them
    in ``companion_weights()`` (:class:`ComponentWeights` per pipeline slot); the engine gives each
    to that slot's component through its ``load_weights``.  A slot whose component is of another
@@ -25,7 +28,9 @@ caller of the steps below, in this order; no component hands another one around.
    silently stand in for trained ones; a component without weights (``none``, ``constant``) just
    runs without them.  Then a confidence estimator with ``share(correction_head)`` may take
    tables of the (now loaded) correction head.
-3. *Rounds* — ``drafter.draft(ctx)``: the drafter runs ``ctx.correction_head`` (the pipeline's,
+3. *Rounds* — first a scheduler with ``draft_gate(num_requests)`` may answer ``False``: the round
+   then runs plain (nothing is drafted; the target's features of the committed token wait for the
+   next draft).  Otherwise ``drafter.draft(ctx)``: the drafter runs ``ctx.correction_head`` (the pipeline's,
    which stays the engine's) in its sequential stage; the engine then calls the confidence
    estimator, the calibrator, the scheduler and the verifier.  Every per-request random number
    comes from :func:`specforge.sampling.draw_uniforms` (``ctx.uniforms`` for a drafter).  Once
@@ -167,8 +172,12 @@ class Verifier(Protocol):
 class Scheduler(Protocol):
     """Chooses how many drafted tokens of each request the target verifies this round.
 
-    Optional lifecycle method (module docstring): ``bind(target)``, e.g. to read the target's step
-    curve on this machine.
+    Optional lifecycle methods (module docstring): ``bind(target)``, e.g. to read the target's step
+    curve on this machine; ``bind_draft_cost(measure)`` to be offered what drafting costs;
+    ``draft_gate(num_requests) -> bool``, asked before each round is drafted — ``False`` runs the
+    round plain.  The gate is called before anything of its round exists, so it can only depend on
+    earlier rounds: it is causal whatever it does
+    (docs/design/calibration-scheduling.md#what-drafting-costs-and-the-draft-gate).
     """
 
     def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
