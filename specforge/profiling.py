@@ -183,6 +183,7 @@ def machine_profile(target: TargetModel, log: Any = None) -> HardwareProfile:
 
 
 DRAFT_COST_REQUESTS = (1, 2, 4, 8, 16, 32, 64)
+_DRAFT_COST_METHOD = {"requests": DRAFT_COST_REQUESTS, "context": 256, "rounds": 8}
 
 
 class _VerifyNothing:
@@ -192,10 +193,13 @@ class _VerifyNothing:
         return torch.zeros_like(available, dtype=torch.long)
 
 
-def measure_draft_cost(engine: Any, requests: Sequence[int] = DRAFT_COST_REQUESTS, context: int = 96,
-                       rounds: int = 8) -> DraftCost:
+def measure_draft_cost(engine: Any, requests: Sequence[int] = DRAFT_COST_REQUESTS,
+                       context: int = _DRAFT_COST_METHOD["context"], rounds: int = _DRAFT_COST_METHOD["rounds"]
+                       ) -> DraftCost:
     """ρ(R) of ``engine``'s drafting side (drafter, correction head, confidence, calibrator): for
-    each R, R synthetic requests of ``context`` tokens run ``rounds`` rounds that draft a full
+    each R, R synthetic requests of ``context`` tokens (the step curve's, at most what the target
+    takes; a ratio measured at far shorter contexts than served overstates ρ, since the target's
+    pass grows with the context and a drafter's much less) run ``rounds`` rounds that draft a full
     block and verify none of it, in a cache of their own; ρ is the median seconds of a round's
     drafting over the median seconds of its (plain) target pass, the first two rounds left out
     (first-call allocations).  The engine comes back as it was."""
@@ -203,14 +207,15 @@ def measure_draft_cost(engine: Any, requests: Sequence[int] = DRAFT_COST_REQUEST
 
     saved = engine.scheduler, engine.cache, engine.context_limit, engine.config
     vocab = engine.target.vocab_size
+    new_tokens = rounds + int(getattr(engine.drafter, "gamma", 0) or 0) + 2
+    context = max(1, min(context, engine.target.max_positions - new_tokens - 8))
     ids = torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     points = {}
     try:
         engine.scheduler = _VerifyNothing()
         engine._measuring = True  # the calibrator's observe() must not learn from these rounds
-        # Enough new tokens that every measured round drafts a whole block (verifying nothing,
-        # each round commits one token).
-        new_tokens = rounds + int(getattr(engine.drafter, "gamma", 0) or 0) + 2
+        # Enough new tokens (above) that every measured round drafts a whole block (verifying
+        # nothing, each round commits one token).
         engine.context_limit = context + new_tokens + 8
         engine.cache = engine.target.new_cache(max(requests), engine.context_limit)
         for r in requests:
@@ -250,7 +255,8 @@ def _drafting_key(engine: Any) -> str:
         settings = config.model_dump_json() if hasattr(config, "model_dump_json") else repr(config)
         parts.append([slot, f"{type(part).__module__}.{type(part).__qualname__}", settings,
                       getattr(part, "gamma", None)])
-    key = json.dumps([_profile_key(engine.target), parts], sort_keys=True, default=str)
+    # The measurement's own settings too: a file measured another way is not this measurement.
+    key = json.dumps([_profile_key(engine.target), parts, _DRAFT_COST_METHOD], sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

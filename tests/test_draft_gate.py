@@ -80,9 +80,14 @@ def test_the_gate_closes_where_drafting_does_not_pay_and_looks_again(cls, config
     s = _hw(cls, config, draft_cost=0.5, probe_every=3)
     assert s.draft_gate(2)  # nothing known yet: draft
     s.schedule(torch.full((2, 4), 0.01), torch.full((2,), 4))  # hopeless drafts: the round loses to plain
-    decisions = [s.draft_gate(2) for _ in range(8)]
-    assert decisions == [False, False, False, True, False, False, False, True]
-    assert s.draft_gate(5)  # another request count has its own history
+    decisions = [s.draft_gate(2) for _ in range(3 + 1 + 6 + 1 + 12 + 1 + 24 + 1 + 48 + 1 + 48 + 1)]
+    # a look after 3 plain rounds, then after twice as many each time, up to 16 × probe_every
+    assert [i for i, d in enumerate(decisions) if d] == [3, 10, 23, 48, 97, 146]
+    assert not s.draft_gate(3)  # 2 and 3 requests are one load band
+    assert s.draft_gate(5)  # another band has its own history
+    s.schedule(torch.full((2, 4), 0.99), torch.full((2,), 4))  # a look that paid: look again soon
+    # (after 3 plain rounds of the band; the 3-request round above was the first of them)
+    assert [s.draft_gate(2) for _ in range(3)] == [False, False, True]
 
 
 def test_the_gate_stays_open_where_drafting_pays():

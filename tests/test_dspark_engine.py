@@ -251,7 +251,7 @@ def test_checkpoint_drafts_exactly_like_the_model_it_saved(target, host, tmp_pat
                     drafter=host.create_drafter("dspark", {"checkpoint": str(tmp_path)}),
                     correction_head=host.create_correction_head("markov", {"rank": 8, "seed": 99}),
                     confidence=host.create_confidence("entropy", {}),
-                    calibrator=host.create_calibrator("identity", {}), scheduler=host.create_scheduler(*scheduler),
+                    calibrator=host.create_calibrator("identity", {}), scheduler=host.create_scheduler("fixed", {}),
                     sampling=SamplingConfig(temperature=0.0, max_new_tokens=12),
                     engine=EngineConfig(max_batch=3, max_context=96))
     assert loaded.drafter.gamma == 4

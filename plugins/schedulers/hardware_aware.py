@@ -36,8 +36,9 @@ class HardwareConfig(BaseModel):
                                   "the paper's rule)"
     )
     probe_every: PositiveInt = Field(
-        default=16, description="once drafting stopped paying at some request count, rounds without drafting "
-                                "before one round drafts again to look"
+        default=16, description="once drafting stopped paying at some load, rounds without drafting before one "
+                                "round drafts again to look; doubled after each look that finds it still does not "
+                                "pay, up to 16 times this"
     )
 
     @model_validator(mode="after")
@@ -62,23 +63,30 @@ class _HardwareAware:
     other), a round may cost more than it brings: at a load where the step curve leaves no room
     for drafts, the drafting alone makes speculation slower than plain decoding.  Before anything
     is drafted the engine asks :meth:`draft_gate`; the answer compares, over the last drafted
-    rounds at the same number of requests, the expected throughput of the round the scheduler
-    chose (drafting included) with plain decoding's R·SPS(R).  Where drafting did not pay the
-    round runs plain, and one round in ``probe_every + 1`` drafts again to look.  The gate reads
+    rounds at about the same load (R in the same power-of-two band; max(4, ⌈64 / R⌉) rounds),
+    the expected throughput of the round the scheduler chose (drafting included) with plain
+    decoding's R·SPS(R).  Where drafting did not pay the round runs plain, and after
+    ``probe_every`` such rounds one drafts again to look — the wait doubling after every look
+    that finds drafting still does not pay (up to 16 × ``probe_every``), so a load where it never
+    pays costs almost nothing in looks.  The gate reads
     only rounds already scheduled — nothing of the round it decides exists yet — so it is causal
     (docs/design/verification.md#causality).
     """
 
     config: HardwareConfig
     profile: HardwareProfile | None
-    _GAIN_WINDOW = 4  # drafted rounds per request count whose gains the gate averages
+    # The gate averages the gains of the last max(4, ⌈64 / R⌉) drafted rounds at R requests: one
+    # round of 64 requests says as much as 64 rounds of one, whose gain swings with its context.
+    _GAIN_REQUEST_ROUNDS = 64
 
     def _init_cost(self) -> None:
         cost = self.config.draft_cost
         self._auto_cost = cost == "auto" or (cost is None and self.config.profile == "auto")
         self.draft_cost: DraftCost | None = DraftCost(cost) if isinstance(cost, float) and cost > 0 else None
+        # per load band (R.bit_length()): recent gains, plain rounds since the last look, current wait
         self._gains: dict[int, deque[float]] = {}
         self._skipped: dict[int, int] = {}
+        self._wait: dict[int, int] = {}
 
     def bind(self, target: Any) -> None:
         from specforge.target.adapter import dtype_name
@@ -108,28 +116,38 @@ class _HardwareAware:
         """Whether this round drafts at all (see the class docstring)."""
         if not self._rho(num_requests):
             return True
-        gains = self._gains.get(num_requests)
+        band = num_requests.bit_length()
+        gains = self._gains.get(band)
         if not gains or statistics.fmean(gains) > 1.0:
+            self._wait.pop(band, None)
             return True
-        skipped = self._skipped.get(num_requests, 0) + 1
-        if skipped > self.config.probe_every:
-            skipped = 0
-        self._skipped[num_requests] = skipped
-        return skipped == 0
+        wait = self._wait.setdefault(band, self.config.probe_every)
+        skipped = self._skipped.get(band, 0) + 1
+        if skipped <= wait:
+            self._skipped[band] = skipped
+            return False
+        # Look again; if this look finds drafting still does not pay, wait twice as long.
+        self._skipped[band] = 0
+        self._wait[band] = min(2 * wait, 16 * self.config.probe_every)
+        return True
 
     def _admit(self, path: Any, theta: Tensor, n: int) -> Tensor:
         """Verify lengths of the first ``n`` candidates; note what the round gains over plain
         decoding (Θ_n ÷ R·SPS(R)) for the gate."""
         r = path.num_requests
         if r and self.draft_cost is not None:
-            gains = self._gains.setdefault(r, deque(maxlen=self._GAIN_WINDOW))
+            band = r.bit_length()
+            gains = self._gains.setdefault(band, deque(maxlen=max(4, -(-self._GAIN_REQUEST_ROUNDS // r))))
             gains.append(float(theta[n]) / (r * self._curve().sps(r)))
+            if gains[-1] > 1.0 and band in self._wait:  # a look that paid: look again soon
+                self._wait[band] = self.config.probe_every
         return path.lengths(n)
 
     def reset(self) -> None:
         """Forget the gate's history (between independent runs)."""
         self._gains.clear()
         self._skipped.clear()
+        self._wait.clear()
 
 
 class HwPrefixScheduler(_HardwareAware):

@@ -64,8 +64,9 @@ class _Active:
     text: str = ""
     finish_reason: str | None = None
     pending_text: list[int] = field(default_factory=list)
-    # (positions [n], taps [n, m, d]) committed since the last draft; None: nothing yet
-    features: tuple[Tensor, Tensor] | None = None
+    # Target taps of the committed positions not yet handed to the drafter: (positions, [n, m, d])
+    # chunks, one per round since its last draft, concatenated once when it next drafts.
+    features: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
     @property
     def output(self) -> list[int]:
@@ -263,7 +264,7 @@ class Engine:
                 self.cache.advance(s.slot, len(s.history) - 1)
                 if states is not None:  # every row of the prefill stays in the cache
                     lo, hi = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-                    s.features = (batch.positions[lo:hi], states[lo:hi])
+                    s.features = [(batch.positions[lo:hi], states[lo:hi])]
         self._active.extend(admitted)
         return events
 
@@ -416,10 +417,10 @@ class Engine:
         empty = torch.zeros(0, len(self.taps), self.target.args.dim, dtype=self.target.dtype)
         positions, rows = [], []
         for s in states:
-            pos, taps = s.features if s.features is not None else (empty_pos, empty)
-            positions.append(pos)
-            rows.append(taps)
-            s.features = None
+            chunks = s.features or [(empty_pos, empty)]
+            positions.append(torch.cat([p for p, _ in chunks]) if len(chunks) > 1 else chunks[0][0])
+            rows.append(torch.cat([t for _, t in chunks]) if len(chunks) > 1 else chunks[0][1])
+            s.features = []
         cu = torch.zeros(len(states) + 1, dtype=torch.long)
         cu[1:] = torch.cumsum(torch.tensor([len(p) for p in positions], dtype=torch.long), 0)
         return TargetFeatures(self.taps, torch.cat(rows), torch.cat(positions), cu)
@@ -437,10 +438,8 @@ class Engine:
             - torch.repeat_interleave(before, counts)
         lo = 0
         for r, n in zip(keep, counts.tolist()):
-            pending = states[r].features  # a round that did not draft left its features here
-            pos, rows = positions[lo:lo + n], kept[lo:lo + n]
-            states[r].features = (pos, rows) if pending is None else (torch.cat([pending[0], pos]),
-                                                                      torch.cat([pending[1], rows]))
+            # appended: a round that did not draft left its own chunk here for the next draft
+            states[r].features.append((positions[lo:lo + n], kept[lo:lo + n]))
             lo += n
 
     @staticmethod
