@@ -84,7 +84,8 @@ def test_the_gate_closes_where_drafting_does_not_pay_and_looks_again(cls, config
     # a look after 3 plain rounds, then after twice as many each time, up to 16 × probe_every
     assert [i for i, d in enumerate(decisions) if d] == [3, 10, 23, 48, 97, 146]
     assert not s.draft_gate(3)  # 2 and 3 requests are one load band
-    assert s.draft_gate(5)  # another band has its own history
+    assert s.draft_gate(5)  # a band above has its own history
+    assert not s.draft_gate(1)  # a band below not reached yet goes by the band above it
     s.schedule(torch.full((2, 4), 0.99), torch.full((2,), 4))  # a look that paid: look again soon
     # (after 3 plain rounds of the band; the 3-request round above was the first of them)
     assert [s.draft_gate(2) for _ in range(3)] == [False, False, True]

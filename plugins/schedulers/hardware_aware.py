@@ -65,7 +65,8 @@ class _HardwareAware:
     is drafted the engine asks :meth:`draft_gate`; the answer compares, over the last drafted
     rounds at about the same load (R in the same power-of-two band; max(4, ⌈64 / R⌉) rounds),
     the expected throughput of the round the scheduler chose (drafting included) with plain
-    decoding's R·SPS(R).  Where drafting did not pay the round runs plain, and after
+    decoding's R·SPS(R) (a band not reached yet goes by the band above).  Where drafting clearly
+    did not pay (mean gain below 0.95) the round runs plain, and after
     ``probe_every`` such rounds one drafts again to look — the wait doubling after every look
     that finds drafting still does not pay (up to 16 × ``probe_every``), so a load where it never
     pays costs almost nothing in looks.  The gate reads
@@ -78,6 +79,11 @@ class _HardwareAware:
     # The gate averages the gains of the last max(4, ⌈64 / R⌉) drafted rounds at R requests: one
     # round of 64 requests says as much as 64 rounds of one, whose gain swings with its context.
     _GAIN_REQUEST_ROUNDS = 64
+    # The gate closes only below this mean gain: the cost model is approximate (ρ and SPS are
+    # measured at a 256-token context; served contexts are mostly longer, which makes drafting
+    # relatively cheaper than modelled), and where drafting roughly breaks even it still pays at
+    # light load — a round with drafts commits more tokens per request (lower latency).
+    _CLOSE_BELOW = 0.95
 
     def _init_cost(self) -> None:
         cost = self.config.draft_cost
@@ -117,8 +123,10 @@ class _HardwareAware:
         if not self._rho(num_requests):
             return True
         band = num_requests.bit_length()
-        gains = self._gains.get(band)
-        if not gains or statistics.fmean(gains) > 1.0:
+        # A band without rounds of its own yet (a load reached while requests finish) goes by the
+        # band above it, where drafting is never cheaper.
+        gains = self._gains.get(band) or self._gains.get(band + 1)
+        if not gains or statistics.fmean(gains) >= self._CLOSE_BELOW:
             self._wait.pop(band, None)
             return True
         wait = self._wait.setdefault(band, self.config.probe_every)
