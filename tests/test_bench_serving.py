@@ -45,6 +45,8 @@ def test_every_arm_at_every_concurrency_against_plain_in_one_run(tmp_path):
     assert {(x["arm"], x["concurrency"]) for x in recs} == {(a, c) for a in ["plain", *arms] for c in (1, 3)}
     for x in recs:
         assert x["failed"] == 0 and x["requests"] == 6 and x["new_tokens"] == 36
+        # R = 1 goes twice round its slot per half: two halves in ABBA order; R = 3 runs once
+        assert x["runs"] == (2 if x["concurrency"] == 1 else 1)
         assert x["ttft_s"]["p50"] > 0 and x["itl_s"]["p99"] >= x["itl_s"]["p50"] > 0
         assert 0 <= x["verify_waste"] <= 1
         if x["arm"] == "plain":

@@ -121,13 +121,21 @@ def _requests(prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
             for i, p in enumerate(prompts)]
 
 
-def _measure(engine: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
-    """One closed-loop run: every prompt once, ``engine.config.max_batch`` in flight."""
-    from specforge.acceptance import AcceptanceCounts
-
+def _run(engine: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    """One closed-loop run: every prompt once, ``engine.config.max_batch`` in flight; what it
+    produced and took (the engine's phase clocks and gate counter included)."""
     t0 = time.perf_counter()
     outs = engine.generate(_requests(prompts, max_new_tokens))
-    seconds = time.perf_counter() - t0
+    return {"outs": outs, "seconds": time.perf_counter() - t0, "plain_rounds": engine.plain_rounds,
+            "draft": engine.phase_seconds["draft"], "phases": sum(engine.phase_seconds.values())}
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm's record from its runs at one concurrency (the halves of an interleaved R)."""
+    from specforge.acceptance import AcceptanceCounts
+
+    outs = [o for run in runs for o in run["outs"]]
+    seconds = sum(run["seconds"] for run in runs)
     stats = [o.stats for o in outs]
     pooled = AcceptanceCounts.pooled(stats)
     tokens = sum(s.emitted for s in stats)
@@ -141,8 +149,9 @@ def _measure(engine: Any, prompts: list[list[int]], max_new_tokens: int) -> dict
         "verified_per_round": pooled.verified / pooled.rounds if pooled.rounds else 0.0,
         "verify_waste": (pooled.verified - pooled.accepted) / pooled.verified if pooled.verified else 0.0,
         # Rounds the scheduler's draft gate ran plain, and the share of the rounds' time spent drafting.
-        "plain_rounds": engine.plain_rounds,
-        "draft_share": engine.phase_seconds["draft"] / max(sum(engine.phase_seconds.values()), 1e-12),
+        "plain_rounds": sum(run["plain_rounds"] for run in runs),
+        "draft_share": sum(run["draft"] for run in runs) / max(sum(run["phases"] for run in runs), 1e-12),
+        "runs": len(runs),
     }
 
 
@@ -266,15 +275,26 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
         n = max(len(prompts), requests_per_slot * r)
         batch = [prompts[j % len(prompts)] for j in range(n)]
         context = max(len(p) for p in batch) + max_new_tokens + 16
-        order = list(arms) if i % 2 == 0 else list(reversed(arms))
-        for label in order:
-            p = pipelines[label]
-            engine = Engine.from_pipeline(replace(p, engine=EngineConfig(max_batch=r, max_context=context)), target)
-            engine.generate(_requests(batch[:1], 4))  # first-call allocations, untimed
-            rec = {"arm": label, "concurrency": r, **_measure(engine, batch, max_new_tokens)}
+        # Where the prompts go twice round the slots per half, each arm runs the two halves in
+        # turn, the arms' order reversed for the second (ABBA): a machine drifting over the
+        # minutes an R takes then weighs on every arm alike.  Each half is its own engine.
+        halves = [batch[: n // 2], batch[n // 2:]] if n // 2 >= requests_per_slot * r else [batch]
+        runs: dict[str, list[dict[str, Any]]] = {label: [] for label in arms}
+        for h, part in enumerate(halves):
+            order = list(arms) if (i + h) % 2 == 0 else list(reversed(arms))
+            for label in order:
+                p = pipelines[label]
+                engine = Engine.from_pipeline(replace(p, engine=EngineConfig(max_batch=r, max_context=context)), target)
+                engine.generate(_requests(batch[:1], 4))  # first-call allocations, untimed
+                engine.plain_rounds = 0
+                for book in (engine.phase_seconds, engine.draft_seconds):
+                    book.update(dict.fromkeys(book, 0.0))
+                runs[label].append(_run(engine, part, max_new_tokens))
+        for label in arms:
+            rec = {"arm": label, "concurrency": r, **_summary(runs[label])}
             records.append(rec)
             say(f"R={r:<3} {label:<14} {rec['tok_s']:7.1f} tok/s  τ {rec['tau']:.2f}  "
-                f"verified/round {rec['verified_per_round']:.2f}")
+                f"verified/round {rec['verified_per_round']:.2f}  plain rounds {rec['plain_rounds']}")
         if vllm:
             for rec in _vllm_records(batch, r, max_new_tokens, first.target.model, first.target.dtype):
                 line = rec.pop("status_line")
