@@ -126,8 +126,9 @@ class _HardwareAware:
         if not self._rho(num_requests):
             return True
         band = num_requests.bit_length()
-        # A band without rounds of its own yet (a load reached while requests finish) goes by the
-        # band above it, where drafting is never cheaper.
+        # A band without rounds of its own yet (a load reached as requests finish) goes by the
+        # band above it: where drafting did not pay there, its first look waits `probe_every`
+        # rounds instead of drafting at once in every band the falling load passes through.
         gains = self._gains.get(band) or self._gains.get(band + 1)
         if not gains or statistics.fmean(gains) >= self._CLOSE_BELOW:
             self._wait.pop(band, None)
