@@ -24,6 +24,7 @@ names the file.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -45,6 +46,22 @@ UNKNOWN = "unknown"  # a profile that does not say (inline points, an older file
 
 class HardwareProfileError(SpecforgeError, ValueError):
     """A step curve that cannot be built: bad points, or a profile file with bad content."""
+
+
+def _checked_points(pairs: Sequence[tuple[Any, Any]], key: str, value: str, *, zero_ok: bool) -> list[tuple[int, float]]:
+    """``(x, y)`` points sorted by x, each x a positive integer given once and each y a finite
+    number, positive (or ≥ 0 with ``zero_ok``); ``key`` names x, ``value`` formats y's name."""
+    clean: dict[int, float] = {}
+    for x, y in pairs:
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise HardwareProfileError(f"{key} {x!r} is not a positive integer")
+        if isinstance(y, bool) or not isinstance(y, (int, float)) or not (math.isfinite(y) and (y > 0 or zero_ok and y == 0)):
+            raise HardwareProfileError(f"{value.format(x)} = {y!r} is not a {'non-negative' if zero_ok else 'positive'} "
+                                       "finite number")
+        if x in clean:
+            raise HardwareProfileError(f"{key} {x} is given twice")
+        clean[x] = float(y)
+    return sorted(clean.items())
 
 
 class HardwareProfile:
@@ -79,16 +96,7 @@ class HardwareProfile:
     def _set(self, pairs: Sequence[tuple[Any, Any]], device: str, target: str, dtype: str = UNKNOWN) -> None:
         if not pairs:
             raise HardwareProfileError("a hardware profile needs at least one SPS point")
-        clean: dict[int, float] = {}
-        for b, v in pairs:
-            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-                raise HardwareProfileError(f"batch size {b!r} is not a positive integer")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-                raise HardwareProfileError(f"SPS({b}) = {v!r} is not a positive finite number")
-            if b in clean:
-                raise HardwareProfileError(f"batch size {b} is given twice")
-            clean[b] = float(v)
-        ordered = sorted(clean.items())
+        ordered = _checked_points(pairs, "batch size", "SPS({})", zero_ok=False)
         self.device = str(device)
         self.target = str(target)
         self.dtype = str(dtype)
@@ -208,7 +216,6 @@ class HardwareProfile:
             raise HardwareProfileError(f"hardware profile {str(path)!r}: {exc}") from None
 
 
-
 DRAFT_COST_FORMAT = "specforge.draft_cost"
 
 
@@ -225,45 +232,35 @@ class DraftCost:
         points: ``{R: ρ}`` (R ≥ 1 integer, ρ ≥ 0 finite), or one number for every R.
     """
 
-    def __init__(self, points: Mapping[int, float] | float, *, device: str = UNKNOWN, target: str = UNKNOWN,
-                 pipeline: str = UNKNOWN) -> None:
+    def __init__(self, points: Mapping[int, float] | float, *, device: str = UNKNOWN, target: str = UNKNOWN) -> None:
         if isinstance(points, (int, float)) and not isinstance(points, bool):
             points = {1: float(points)}
         if not isinstance(points, Mapping) or not points:
             raise HardwareProfileError(f"drafting cost needs {{R: ratio}} points or one number, got {points!r}")
-        clean = {}
-        for r, v in points.items():
-            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-                raise HardwareProfileError(f"drafting cost: R = {r!r} is not a positive integer")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
-                raise HardwareProfileError(f"drafting cost at R = {r}: {v!r} is not a non-negative finite number")
-            clean[r] = float(v)
-        ordered = sorted(clean.items())
-        self.requests = torch.tensor([r for r, _ in ordered], dtype=torch.float64)
-        self.values = torch.tensor([v for _, v in ordered], dtype=torch.float64)
-        self.device, self.target, self.pipeline = str(device), str(target), str(pipeline)
+        self._points = _checked_points(list(points.items()), "drafting cost: R =", "drafting cost ρ({})",
+                                       zero_ok=True)
+        self.device, self.target = str(device), str(target)
 
     def ratio(self, num_requests: int) -> float:
         """ρ at ``num_requests`` requests."""
-        xs, ys = self.requests.tolist(), self.values.tolist()
-        r = float(num_requests)
-        if r <= xs[0]:
-            return ys[0]
-        if r >= xs[-1]:
-            return ys[-1]
-        hi = next(i for i, x in enumerate(xs) if x >= r)
-        t = (r - xs[hi - 1]) / (xs[hi] - xs[hi - 1])
-        return ys[hi - 1] + t * (ys[hi] - ys[hi - 1])
+        xs = [r for r, _ in self._points]
+        hi = bisect.bisect_left(xs, num_requests)
+        if hi == 0:
+            return self._points[0][1]
+        if hi == len(xs):
+            return self._points[-1][1]
+        (r0, v0), (r1, v1) = self._points[hi - 1], self._points[hi]
+        return v0 + (num_requests - r0) / (r1 - r0) * (v1 - v0)
 
     def points(self) -> list[tuple[int, float]]:
-        return [(int(r), float(v)) for r, v in zip(self.requests.tolist(), self.values.tolist())]
+        return list(self._points)
 
     def __repr__(self) -> str:
-        return f"DraftCost({dict(self.points())!r}, device={self.device!r}, pipeline={self.pipeline!r})"
+        return f"DraftCost({dict(self._points)!r}, device={self.device!r}, target={self.target!r})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": DRAFT_COST_FORMAT, "version": VERSION, "device": self.device, "target": self.target,
-                "pipeline": self.pipeline, "points": [[r, v] for r, v in self.points()]}
+                "points": [[r, v] for r, v in self._points]}
 
     @classmethod
     def load(cls, path: str | Path) -> DraftCost:
@@ -273,6 +270,6 @@ class DraftCost:
             if data.get("format") != DRAFT_COST_FORMAT:
                 raise HardwareProfileError(f"format is {data.get('format')!r}, expected {DRAFT_COST_FORMAT!r}")
             return cls({int(r): v for r, v in data["points"]}, device=data.get("device", UNKNOWN),
-                       target=data.get("target", UNKNOWN), pipeline=data.get("pipeline", UNKNOWN))
+                       target=data.get("target", UNKNOWN))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise HardwareProfileError(f"drafting cost {str(path)!r} cannot be read: {exc}") from None

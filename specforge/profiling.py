@@ -205,7 +205,7 @@ def measure_draft_cost(engine: Any, requests: Sequence[int] = DRAFT_COST_REQUEST
     (first-call allocations).  The engine comes back as it was."""
     from specforge.engine import GenerationRequest
 
-    saved = engine.scheduler, engine.cache, engine.context_limit, engine.config
+    saved = engine.scheduler, engine.cache, engine.context_limit
     vocab = engine.target.vocab_size
     new_tokens = rounds + int(getattr(engine.drafter, "gamma", 0) or 0) + 2
     context = max(1, min(context, engine.target.max_positions - new_tokens - 8))
@@ -232,12 +232,9 @@ def measure_draft_cost(engine: Any, requests: Sequence[int] = DRAFT_COST_REQUEST
             draft, target = draft[2:rounds], target[2:rounds]
             points[r] = statistics.median(draft) / max(statistics.median(target), 1e-9)
     finally:
-        engine.scheduler, engine.cache, engine.context_limit, engine.config = saved
+        engine.scheduler, engine.cache, engine.context_limit = saved
         engine._measuring = False
-        for book in (engine.phase_seconds, engine.draft_seconds):
-            for k in book:
-                book[k] = 0.0
-        engine.plain_rounds = 0
+        engine.reset_clocks()
     from specforge.bench.machine import machine
 
     return DraftCost(points, device=machine()["cpu"], target=str(engine.target.name))

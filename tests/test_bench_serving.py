@@ -15,6 +15,15 @@ from specforge.config import ConfigError
 from tiny_models import tiny_training_files
 
 
+def _drafter_pipeline(tmp_path, model):
+    """A random-init DSpark pipeline on the tiny target, as a YAML file (the bench's --drafter)."""
+    drafter = tmp_path / "drafter.yaml"
+    drafter.write_text(f"target: {{model: '{model}', dtype: float32}}\n"
+                       "drafter: {name: dspark, gamma: 3, layers: 1, seed: 1}\ncorrection_head: {name: markov, rank: 8}\n"
+                       "confidence: {name: entropy}\nscheduler: {name: fixed}\n")
+    return drafter
+
+
 def test_an_unknown_arm_is_named_with_the_valid_ones():
     with pytest.raises(ConfigError, match=r"unknown arm 'fast'; valid arms: plain, fixed-2"):
         arm_pipelines(["fast"])
@@ -22,10 +31,7 @@ def test_an_unknown_arm_is_named_with_the_valid_ones():
 
 def test_every_arm_at_every_concurrency_against_plain_in_one_run(tmp_path):
     model, _, prompts = tiny_training_files(tmp_path, prompts=6)
-    drafter = tmp_path / "drafter.yaml"
-    drafter.write_text(f"target: {{model: '{model}', dtype: float32}}\n"
-                       "drafter: {name: dspark, gamma: 3, layers: 1, seed: 1}\ncorrection_head: {name: markov, rank: 8}\n"
-                       "confidence: {name: entropy}\nscheduler: {name: fixed}\n")
+    drafter = _drafter_pipeline(tmp_path, model)
     arms = ["fixed-2", "threshold-0.3", "threshold-0.5", "async-topk"]
     r = subprocess.run([sys.executable, "-m", "specforge", "bench", "serving", "--drafter", str(drafter),
                         "--arms", *arms, "--concurrency", "1", "3", "--datasets", str(prompts), "--prompts", "6",
@@ -67,10 +73,7 @@ def test_an_unfinished_run_resumes_at_its_next_concurrency_and_refuses_other_set
     from specforge.bench.serving import ServingResumeError, run_serving_benchmark
 
     model, _, prompts = tiny_training_files(tmp_path, prompts=4)
-    drafter = tmp_path / "drafter.yaml"
-    drafter.write_text(f"target: {{model: '{model}', dtype: float32}}\n"
-                       "drafter: {name: dspark, gamma: 3, layers: 1, seed: 1}\ncorrection_head: {name: markov, rank: 8}\n"
-                       "confidence: {name: entropy}\nscheduler: {name: fixed}\n")
+    drafter = _drafter_pipeline(tmp_path, model)
     kw = dict(arms=["fixed-2"], drafter=[str(drafter)], datasets=[str(prompts)], per_set=4, sharegpt=0,
               max_new_tokens=4, vllm=False)
 

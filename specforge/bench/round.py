@@ -50,8 +50,7 @@ def _drive(engine: Engine, requests: list[GenerationRequest]) -> tuple[int, int,
 
 
 def _reset(engine: Engine) -> None:
-    engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
-    engine.draft_seconds = dict.fromkeys(engine.draft_seconds, 0.0)
+    engine.reset_clocks()
     parts = getattr(engine.drafter, "part_seconds", None)
     if parts is not None:
         engine.drafter.part_seconds = dict.fromkeys(parts, 0.0)

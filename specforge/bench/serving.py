@@ -286,9 +286,7 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
                 p = pipelines[label]
                 engine = Engine.from_pipeline(replace(p, engine=EngineConfig(max_batch=r, max_context=context)), target)
                 engine.generate(_requests(batch[:1], 4))  # first-call allocations, untimed
-                engine.plain_rounds = 0
-                for book in (engine.phase_seconds, engine.draft_seconds):
-                    book.update(dict.fromkeys(book, 0.0))
+                engine.reset_clocks()
                 runs[label].append(_run(engine, part, max_new_tokens))
         for label in arms:
             rec = {"arm": label, "concurrency": r, **_summary(runs[label])}

@@ -343,6 +343,13 @@ class Engine:
         self._lap("commit", clock)
         return events
 
+    def reset_clocks(self) -> None:
+        """Zero the phase clocks and the draft gate's plain-round counter (a benchmark measuring
+        from here, or after a measurement of its own)."""
+        for book in (self.phase_seconds, self.draft_seconds):
+            book.update(dict.fromkeys(book, 0.0))
+        self.plain_rounds = 0
+
     def _measure_draft_cost(self) -> Any:
         """ρ(R) of this pipeline's drafting on this machine (cached; :func:`specforge.profiling.machine_draft_cost`)."""
         from specforge.profiling import machine_draft_cost
