@@ -239,15 +239,15 @@ class DraftCost:
             raise HardwareProfileError(f"drafting cost needs {{R: ratio}} points or one number, got {points!r}")
         self._points = _checked_points(list(points.items()), "drafting cost: R =", "drafting cost ρ({})",
                                        zero_ok=True)
+        self._requests = [r for r, _ in self._points]  # the bisect keys, read every round
         self.device, self.target = str(device), str(target)
 
     def ratio(self, num_requests: int) -> float:
         """ρ at ``num_requests`` requests."""
-        xs = [r for r, _ in self._points]
-        hi = bisect.bisect_left(xs, num_requests)
+        hi = bisect.bisect_left(self._requests, num_requests)
         if hi == 0:
             return self._points[0][1]
-        if hi == len(xs):
+        if hi == len(self._points):
             return self._points[-1][1]
         (r0, v0), (r1, v1) = self._points[hi - 1], self._points[hi]
         return v0 + (num_requests - r0) / (r1 - r0) * (v1 - v0)

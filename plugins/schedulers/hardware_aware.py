@@ -65,8 +65,8 @@ class _HardwareAware:
     is drafted the engine asks :meth:`draft_gate`; the answer compares, over the last drafted
     rounds at about the same load (R in the same power-of-two band; max(4, ⌈256 / R⌉) rounds),
     the expected throughput of the round the scheduler chose (drafting included) with plain
-    decoding's R·SPS(R) (a band not reached yet goes by the band above).  Where drafting clearly
-    did not pay (mean gain below 1) the round runs plain, and after
+    decoding's R·SPS(R) (a band not reached yet goes by the band above).  Where drafting did not
+    pay (mean modelled gain below 1) the round runs plain, and after
     ``probe_every`` such rounds one drafts again to look — the wait doubling after every look
     that finds drafting still does not pay (up to 16 × ``probe_every``), so a load where it never
     pays costs almost nothing in looks.  The gate reads
