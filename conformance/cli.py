@@ -107,18 +107,26 @@ def _run_seeds(args: argparse.Namespace, tier: str) -> int:
     """The false-alarm check: seeds seed..seed+K-1, one suite run each.  With ``--out`` the file
     is rewritten after every seed, and a file left by an interrupted run of the same tier and
     sample size is picked up: its seeds are kept, not run again."""
+    from specforge_conformance.fingerprint import code_fingerprint
     from specforge_conformance.suite import run_suite
 
     wanted = [args.seed + k for k in range(args.seeds)]
     done: dict[int, dict] = {}
     if args.out and Path(args.out).is_file():
+        code, stale = code_fingerprint(), 0
         try:
             previous = json.loads(Path(args.out).read_text())
             for rec in previous.get("seeds", []):
                 if rec.get("tier") == tier and rec.get("seed") in wanted and rec.get("n") == args.n:
+                    if rec.get("code") != code:  # run on other code: it says nothing about this code
+                        stale += 1
+                        continue
                     done[rec["seed"]] = rec
         except (ValueError, KeyError, TypeError) as exc:
             print(f"{args.out}: unreadable ({exc}); starting over", file=sys.stderr)
+        if stale:
+            print(f"{args.out}: {stale} seeds were run on other code (fingerprint is now {code}); "
+                  "they are run again", file=sys.stderr)
         if done:
             print(f"{args.out}: {len(done)} of {len(wanted)} seeds already done, resuming", file=sys.stderr)
 

@@ -33,6 +33,7 @@ from specforge_conformance import drafters as probe_drafters
 from specforge_conformance import probes
 from specforge_conformance.combos import Combination, certification_blocker, combinations, covering_set
 from specforge_conformance.deterministic import Check, component_checks, deterministic_checks
+from specforge_conformance.fingerprint import code_fingerprint
 from specforge_conformance.harness import STATISTICS, Case, CaseResult, check_case
 from specforge_conformance.strategies import case_strategy, draw_cases
 
@@ -125,7 +126,7 @@ class SuiteReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "tier": self.tier, "alpha": self.alpha, "seed": self.seed, "n": self.n, "passed": self.passed,
-            "seconds": round(self.seconds, 1),
+            "seconds": round(self.seconds, 1), "code": code_fingerprint(),
             "combinations": [c.to_dict() for c in self.combos],
             "components": {name: [k.to_dict() for k in ks] for name, ks in self.component_checks.items()},
             "detectable": self.detectable_by_kind(),

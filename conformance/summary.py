@@ -25,8 +25,12 @@ class ReportError(SpecforgeError):
 
 
 def read_seeds(paths: Iterable[str]) -> dict[int, dict]:
-    """Every seed's report in the files, by seed (a seed found twice keeps its last report)."""
+    """Every seed's report in the files, by seed (a seed found twice keeps its last report).
+
+    Seeds run on different code (their ``code`` fingerprints differ,
+    :mod:`specforge_conformance.fingerprint`) are refused: pooled, they would certify no code."""
     seeds: dict[int, dict] = {}
+    where: dict[str, list[str]] = {}
     for path in paths:
         try:
             data = json.loads(Path(path).read_text())
@@ -35,6 +39,12 @@ def read_seeds(paths: Iterable[str]) -> dict[int, dict]:
         # a multi-seed run writes {"seeds": [...]}, a single seed its report itself
         for rec in data["seeds"] if "seeds" in data else [data]:
             seeds[rec["seed"]] = rec
+            where.setdefault(rec.get("code", "unrecorded"), []).append(f"{path} seed {rec['seed']}")
+    if len(where) > 1:
+        raise ReportError("the reports were run on different code (fingerprints "
+                          + "; ".join(f"{code}: {', '.join(w[:3])}{' …' if len(w) > 3 else ''}"
+                                      for code, w in where.items())
+                          + "); pool only seeds of one fingerprint")
     return seeds
 
 
@@ -59,8 +69,9 @@ def summarize(seeds: dict[int, dict]) -> tuple[str, bool]:
     span = sorted(seeds)
     missing = sorted(set(range(span[0], span[-1] + 1)) - set(span)) or "none"
     median_seconds = sorted(r["seconds"] for r in seeds.values())[len(seeds) // 2]
+    code = next(iter(seeds.values())).get("code", "unrecorded")
     lines = [
-        f"seeds: {len(seeds)} ({span[0]}..{span[-1]}; missing: {missing})",
+        f"seeds: {len(seeds)} ({span[0]}..{span[-1]}; missing: {missing}), code fingerprint {code}",
         f"statistical cases: {len(cases)} ({len(fits)} statistics), failed seeds: {failed or 'none'}, cases re-run at 10x N: {len(reruns)}",
         f"smallest p-value: {p_min[0]:.3g} (its level {p_min[2]:.2g}; {p_min[3]}, seed {p_min[4]})",
         f"largest TV: {tv_max[1]:.4f} ({tv_max[3]}, seed {tv_max[4]})",

@@ -13,7 +13,8 @@ their outputs are compared.
 
 ``--mixed`` measures the planned layouts (:func:`plan_varlen_attention`) on contexts at real
 ShareGPT lengths (the first turns, chat-templated with SmolLM2's tokenizer, slots in a shuffled
-order as continuous batching leaves them), bf16: one SDPA per request, one padded SDPA for the
+order as continuous batching leaves them), in each of ``--dtypes`` (a float32 cache grouped as
+the runtime groups it under a bf16 model): one SDPA per request, one padded SDPA for the
 whole pass, and the default grouping by neighbouring slots.  Each is also timed on a batch of
 the same total context spread evenly, so ``mixed / even`` near 1 says the cost follows the sum of
 the requests' own lengths, not R × the longest.
@@ -28,6 +29,7 @@ Prints one JSON document, then a table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import random
@@ -124,17 +126,17 @@ def sharegpt_contexts(n: int) -> list[int]:
     return [len(apply_chat_template(tokenizer, c.user_turns[0])) for c in conversations if c.user_turns]
 
 
-def mixed_batch(contexts: list[int], run: int, seed: int) -> dict:
-    """A bf16 pass of ``len(contexts)`` requests, ``run`` new tokens each behind those contexts."""
+def mixed_batch(contexts: list[int], run: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """A pass of ``len(contexts)`` requests, ``run`` new tokens each behind those contexts."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     n_req = len(contexts)
     capacity = max(contexts) + run
     slots = list(range(n_req))
     rng.shuffle(slots)
-    k_cache = torch.randn(n_req, HKV, capacity, D, generator=gen).to(torch.bfloat16)
-    v_cache = torch.randn(n_req, HKV, capacity, D, generator=gen).to(torch.bfloat16)
-    q = torch.randn(n_req * run, HQ, D, generator=gen).to(torch.bfloat16)
+    k_cache = torch.randn(n_req, HKV, capacity, D, generator=gen).to(dtype)
+    v_cache = torch.randn(n_req, HKV, capacity, D, generator=gen).to(dtype)
+    q = torch.randn(n_req * run, HQ, D, generator=gen).to(dtype)
     return dict(q=q, k_cache=k_cache, v_cache=v_cache,
                 cu_seqlens=torch.arange(0, n_req * run + 1, run, dtype=torch.long),
                 slots=torch.tensor(slots, dtype=torch.long), start_pos=torch.tensor(contexts, dtype=torch.long))
@@ -151,8 +153,9 @@ def measure_layouts(batch: dict, reps: int) -> dict[str, float]:
     plan is made once per pass) — timed interleaved."""
     b = batch
     def plan(batched):
+        # exact=False: a float32 cache is grouped as the runtime does under a bf16 model
         return plan_varlen_attention(b["cu_seqlens"], b["slots"], b["start_pos"], b["k_cache"], b["q"].shape[0],
-                                     HQ, batched)
+                                     HQ, batched, exact=False)
     def attend(p):
         return varlen_attention_planned(b["q"], b["k_cache"], b["v_cache"], p, D**-0.5)
     plans = {name: plan(batched) for name, batched in LAYOUTS.items()}
@@ -181,33 +184,33 @@ def _fastest_quarter(seconds: list[float]) -> float:
     return sum(fast) / len(fast)
 
 
-def mixed_main(reps: int) -> int:
+def mixed_main(reps: int, dtypes: list[str]) -> int:
     from specforge.bench.machine import machine
 
     pool = [c for c in sharegpt_contexts(400) if c <= 4000]
     rows = []
-    for n_req in (4, 16, 64):
-        for run in (1, 8):
-            rng = random.Random(n_req * 10 + run)
-            contexts = rng.sample(pool, n_req)
-            even = [sum(contexts) // n_req] * n_req
-            mixed = measure_layouts(mixed_batch(contexts, run, seed=n_req + run), reps)
-            flat = measure_layouts(mixed_batch(even, run, seed=n_req + run), reps)
-            rows.append(dict(requests=n_req, run=run, sum_context=sum(contexts), longest=max(contexts),
-                             mixed_us={k: round(v, 1) for k, v in mixed.items()},
-                             even_us={k: round(v, 1) for k, v in flat.items()},
-                             mixed_over_even={k: round(mixed[k] / flat[k], 2) for k in LAYOUTS}))
-    doc = dict(benchmark="planned varlen attention on ShareGPT context lengths (CPU, bf16, one layer)",
+    for dtype_name, n_req, run in itertools.product(dtypes, (4, 16, 64), (1, 8)):
+        dtype = getattr(torch, dtype_name)
+        rng = random.Random(n_req * 10 + run)
+        contexts = rng.sample(pool, n_req)
+        even = [sum(contexts) // n_req] * n_req
+        mixed = measure_layouts(mixed_batch(contexts, run, seed=n_req + run, dtype=dtype), reps)
+        flat = measure_layouts(mixed_batch(even, run, seed=n_req + run, dtype=dtype), reps)
+        rows.append(dict(dtype=dtype_name, requests=n_req, run=run, sum_context=sum(contexts), longest=max(contexts),
+                         mixed_us={k: round(v, 1) for k, v in mixed.items()},
+                         even_us={k: round(v, 1) for k, v in flat.items()},
+                         mixed_over_even={k: round(mixed[k] / flat[k], 2) for k in LAYOUTS}))
+    doc = dict(benchmark="planned varlen attention on ShareGPT context lengths (CPU, one layer)",
                heads=dict(hq=HQ, hkv=HKV, head_dim=D), torch=torch.__version__, threads=torch.get_num_threads(),
                machine=machine(), reps=reps, statistic="microseconds per layer: attention + plan / 30 (each the mean of its fastest quarter)",
                results=rows)
     print(json.dumps(doc, indent=1))
-    head = (f"{'R':>3} {'run':>4} {'sum ctx':>8} {'longest':>8} | " + " ".join(f"{k:>12}" for k in LAYOUTS)
+    head = (f"{'dtype':<9} {'R':>3} {'run':>4} {'sum ctx':>8} {'longest':>8} | " + " ".join(f"{k:>12}" for k in LAYOUTS)
             + " | mixed/even: " + " ".join(f"{k:>12}" for k in LAYOUTS))
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['requests']:>3} {r['run']:>4} {r['sum_context']:>8} {r['longest']:>8} | "
+        print(f"{r['dtype']:<9} {r['requests']:>3} {r['run']:>4} {r['sum_context']:>8} {r['longest']:>8} | "
               + " ".join(f"{r['mixed_us'][k]:>12.1f}" for k in LAYOUTS) + " |             "
               + " ".join(f"{r['mixed_over_even'][k]:>12.2f}" for k in LAYOUTS))
     return 0
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.mixed:
-        return mixed_main(args.reps)
+        return mixed_main(args.reps, args.dtypes.split(","))
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)

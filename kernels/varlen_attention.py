@@ -292,11 +292,12 @@ def plan_varlen_attention(
     q_heads: int,
     batched: bool | None = None,
     tree: Tensor | None = None,
+    exact: bool | None = None,
 ) -> VarlenPlan:
     """Validate the metadata of an ``n_tokens`` pass (``q_heads`` query heads) against
     ``k_cache``'s shape and plan it.
 
-    ``batched=None`` (in a reduced-precision cache) groups the short runs (decode/verify, not
+    ``batched=None`` (unless ``exact``) groups the short runs (decode/verify, not
     prefill) of requests whose cache slots are neighbours into padded SDPAs — as few calls as
     pays, with as little key padding as pays: each group is padded only to its own longest
     request, so a pass over mixed context lengths costs about the sum of the requests' own
@@ -310,8 +311,11 @@ def plan_varlen_attention(
     exact zeros, but the kernel blocks the longer padded key range differently.  So in bf16 a
     request's output then depends, at that level, on its batch-mates' lengths.  float32, the
     parity dtype against Hugging Face, stays on the per-request path, bit-identical to
-    :func:`varlen_attention_reference`.  ``True`` forces one padded SDPA for the whole pass,
-    ``False`` the per-request path (batch-invariant).
+    :func:`varlen_attention_reference`: ``exact`` (default: whether the cache is float32) keeps
+    ``batched=None`` there.  A float32 cache under a bf16 model (faster decode attention on some
+    CPUs, see ``specforge.target.kv_dtype``) passes ``exact=False``: no parity is at stake, and
+    grouping pays there too.  ``True`` forces one padded SDPA for the whole pass, ``False`` the
+    per-request path (batch-invariant).
 
     The padded path reads keys past a request's own length (masked).  A NaN or inf there would
     poison the row (0 × NaN), so it needs the slot's stale entries to be finite; the runtime's
@@ -325,8 +329,9 @@ def plan_varlen_attention(
     device = cu_seqlens.device
     if batched is None:
         runs = [cu[r + 1] - cu[r] for r in range(len(sl))]
-        if (len(sl) >= 2 or (sl and runs[0] > 1 and sp[0] > 0)) and k_cache.dtype in (torch.bfloat16, torch.float16) \
-                and len(set(sl)) == len(sl):
+        if exact is None:
+            exact = k_cache.dtype == torch.float32
+        if (len(sl) >= 2 or (sl and runs[0] > 1 and sp[0] > 0)) and not exact and len(set(sl)) == len(sl):
             short = [r for r in range(len(sl)) if 0 < runs[r] <= _PADDED_MAX_RUN]
             grouped = _group_by_slot(short, runs, sl, sp)
             alone = tuple(r for r in range(len(sl)) if runs[r] > _PADDED_MAX_RUN)

@@ -123,8 +123,7 @@ def calibrate(pipeline: Any, settings: CalibrateSettings, out_dir: str | Path, t
     # Every drafted token verified, confidences raw: every position of every round is observed.
     recording = load_pipeline(["default"], sections={**pipeline.to_dict(), "scheduler": {"name": "fixed"},
                                                      "calibrator": {"name": "identity"}})
-    target = target or TargetModel.load(pipeline.target.model, pipeline.target.dtype, pipeline.target.compile,
-                                        pipeline.target.weights)
+    target = target or TargetModel.from_config(pipeline.target)
     engine = Engine.from_pipeline(recording, target)
     prompts = _held_out_prompts(settings)
     ids = [apply_chat_template(target.tokenizer, p.text) for p in prompts]

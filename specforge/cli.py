@@ -325,7 +325,7 @@ def cmd_bench_ab(args: argparse.Namespace) -> int:
 
     result = run_ab(args.arms, baseline=args.baseline, trials=args.trials, concurrency=args.concurrency,
                     prompts=args.prompts, max_new_tokens=args.max_new_tokens, threads=args.threads,
-                    progress=lambda line: print(line, flush=True))
+                    sharegpt=args.sharegpt, progress=lambda line: print(line, flush=True))
     path = save(result, Path(args.out))
     print(table(result))
     print(f"({result['trials']} trials, c={result['concurrency']}, {result['max_new_tokens']} new tokens, "
@@ -652,13 +652,16 @@ def _add_bench_ab(bench_sub) -> None:
         "trial to trial) and divides each arm's tokens/s by the baseline arm's in the same trial, so "
         "the machine's drift mostly cancels; reports the median and quartiles of those ratios.  Arms: "
         "hf (HF generate, bf16) and {eager,compiled}-{plain,ngram} of the engine, bf16; a native- "
-        "prefix runs the engine arm on the GGUF's 4-bit blocks.",
+        "prefix runs the engine arm on the GGUF's 4-bit blocks, a :model or :float32 suffix with that "
+        "KV-cache dtype (default: auto's choice on this machine).",
     )
-    ab.add_argument("--arms", nargs="+", default=["hf", "eager-plain", "compiled-plain"], choices=AB_ARMS)
+    ab.add_argument("--arms", nargs="+", default=["hf", "eager-plain", "compiled-plain"], choices=AB_ARMS,
+                    metavar="ARM", help="hf, [native-]{eager,compiled}-{plain,ngram}[:model|:float32]")
     ab.add_argument("--baseline", default=None, help="arm the ratios divide by (default: the first)")
     ab.add_argument("--trials", type=int, default=40)
     ab.add_argument("--concurrency", type=int, default=1)
     ab.add_argument("--prompts", type=int, default=8, help="prompts cycled through (humaneval, mt-bench)")
+    ab.add_argument("--sharegpt", type=int, default=0, help="also this many ShareGPT first turns, at their real lengths")
     ab.add_argument("--max-new-tokens", type=int, default=32)
     ab.add_argument("--threads", type=int, default=None)
     ab.add_argument("--out", default="runs/engine-ab")

@@ -72,6 +72,10 @@ class SectionError(ValueError):
         super().__init__("; ".join(f"{k}: {m}" if k else m for k, m in problems))
 
 
+# The KV cache's dtype choices (specforge.target.kv_dtype resolves them).
+KVDtype = Literal["auto", "model", "float32"]
+
+
 class TargetConfig(BaseModel):
     """The target model."""
 
@@ -94,6 +98,13 @@ class TargetConfig(BaseModel):
         "(torch's int4 kernel, bf16 activations) for passes of up to 8 rows, a bf16 copy of the "
         "same weights for bigger ones: ~3x fewer bytes a decoding step at one or a few requests; "
         "GGUF targets and dtype=bfloat16 only",
+    )
+    kv_dtype: KVDtype = Field(
+        "auto",
+        description="dtype of the KV cache and of the attention reading it: 'model' (the dtype "
+        "above), 'float32', or 'auto' — measured once per process on a CPU: float32 when its decode "
+        "attention is clearly faster than the model's dtype (4-8x on AVX512-BF16 CPUs without AMX), "
+        "else the model's dtype (half the bytes); a float32 target's cache is always float32",
     )
 
 

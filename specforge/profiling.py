@@ -158,6 +158,7 @@ def _profile_key(target: TargetModel) -> str:
 
     m = machine()
     key = {"target": target.name, "dtype": str(target.dtype), "weights": target.weights,
+           "kv_dtype": str(target.runtime.cache_dtype()),
            "compiled": bool(getattr(target.runtime, "compiled", False)), "cpu": m["cpu"], "flags": m["flags"],
            "threads": m["torch_threads"], "torch": m["torch"]}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -165,7 +166,7 @@ def _profile_key(target: TargetModel) -> str:
 
 def machine_profile(target: TargetModel, log: Any = None) -> HardwareProfile:
     """This machine's step curve for ``target``: measured once (≈ a minute) and cached under
-    ``$SPECFORGE_CACHE_DIR/profiles``, keyed by target, dtype, weights, CPU, threads and torch —
+    ``$SPECFORGE_CACHE_DIR/profiles``, keyed by target, dtype, KV-cache dtype, weights, CPU, threads and torch —
     what ``profile: auto`` of the hardware-aware schedulers reads."""
     from specforge.files import write_atomic
     from specforge.target.loading import cache_root

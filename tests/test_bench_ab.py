@@ -15,12 +15,29 @@ def specforge(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_every_arm():
     result = specforge("bench", "ab", "--help")
     assert result.returncode == 0, result.stderr
-    for option in ("--arms", "--baseline", "--trials", "--concurrency", "--prompts", "--max-new-tokens",
-                   "--threads", "--out"):
+    for option in ("--arms", "--baseline", "--trials", "--concurrency", "--prompts", "--sharegpt",
+                   "--max-new-tokens", "--threads", "--out"):
         assert option in result.stdout
-    assert set(ARMS) == {"hf"} | {f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled")
-                                  for v in ("plain", "ngram")}
-    assert "native-compiled-ngram" in result.stdout
+    engine = {f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram")}
+    assert set(ARMS) == {"hf"} | engine | {f"{a}:{kv}" for a in engine for kv in ("model", "float32")}
+    assert ":float32 suffix" in " ".join(result.stdout.split())
+
+
+def test_an_arm_names_its_kv_cache_dtype(tmp_path, monkeypatch):
+    """``eager-plain:float32`` and ``eager-plain:model`` decode with those caches, paired."""
+    from specforge.bench import ab
+    from specforge.target import TargetModel
+    from tiny_models import save_tiny, save_tokenizer
+
+    path = save_tiny("llama", tmp_path / "m")
+    save_tokenizer(path)
+    load = TargetModel.load
+    monkeypatch.setattr(ab.TargetModel, "load", lambda *a, **k: load(str(path), "bfloat16"))
+    result = ab.run_ab(["eager-plain:model", "eager-plain:float32"], trials=2, concurrency=2, prompts=2,
+                       max_new_tokens=3)
+    assert result["kv_dtype"] == {"eager-plain:model": "bfloat16", "eager-plain:float32": "float32"}
+    assert len(result["tok_s"]["eager-plain:float32"]) == 2
+    assert ab.save(result, tmp_path).name == "ab-eager-plain=model-eager-plain=float32-c2.json"
 
 
 def test_a_baseline_outside_the_arms_is_refused_before_anything_loads():

@@ -155,3 +155,11 @@ def test_multi_seed_run_resumes_from_its_output_file(tmp_path):
     again = json.loads(out.read_text())
     assert [r["seed"] for r in again["seeds"]] == [0, 1, 2] and again["complete"]
     assert again["seeds"][:2] == done["seeds"]  # kept as they were, not re-run
+    # a seed run on other code (the run spans sessions, the code moved on) is run again
+    again["seeds"][1]["code"] = "0123456789abcdef"
+    out.write_text(json.dumps(again))
+    third = subprocess.run([*base, "--seeds", "3"], capture_output=True, text=True)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert "1 seeds were run on other code" in third.stderr and "seed 1: passed" in third.stderr
+    assert "seed 0:" not in third.stderr
+    assert len({r["code"] for r in json.loads(out.read_text())["seeds"]}) == 1

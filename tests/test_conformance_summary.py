@@ -41,7 +41,7 @@ def test_summary_pools_every_seed_of_every_file(reports):
     text, passed = summarize(read_seeds(reports))
     assert passed
     assert text.splitlines() == [
-        "seeds: 3 (0..3; missing: [2])",
+        "seeds: 3 (0..3; missing: [2]), code fingerprint unrecorded",
         "statistical cases: 4 (4 statistics), failed seeds: none, cases re-run at 10x N: 1",
         "smallest p-value: 0.01 (its level 1e-07; ngram / rejection [sequence], seed 0)",
         "largest TV: 0.0800 (match / greedy [sequence], seed 3)",
@@ -64,7 +64,7 @@ def test_every_statistic_of_a_case_is_pooled(tmp_path):
 def test_the_command_prints_the_summary_and_fails_with_a_failed_seed(reports, tmp_path):
     ok = specforge("conformance", "summary", *reports)
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.startswith("seeds: 3 (0..3; missing: [2])\n")
+    assert ok.stdout.startswith("seeds: 3 (0..3; missing: [2]), code fingerprint unrecorded\n")
     failed = tmp_path / "failed.json"
     failed.write_text(json.dumps(report(2, case(1e-9, 0.2), passed=False)))
     bad = specforge("conformance", "summary", *reports, str(failed))
@@ -78,3 +78,33 @@ def test_an_unreadable_report_is_one_line_of_error(tmp_path):
     assert "absent.json" in result.stderr and "Traceback" not in result.stderr
     with pytest.raises(ReportError, match="no statistical case"):
         summarize({0: report(0)})
+
+
+def test_seeds_run_on_different_code_are_not_pooled(tmp_path):
+    """A long false-alarm run spans sessions: seeds of another code fingerprint certify nothing here."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"seeds": [dict(report(0, case(0.2, 0.03)), code="aaaa")]}))
+    b.write_text(json.dumps({"seeds": [dict(report(1, case(0.3, 0.02)), code="bbbb")]}))
+    with pytest.raises(ReportError, match=r"different code \(fingerprints aaaa: .*a.json seed 0; bbbb: .*b.json seed 1\)"):
+        read_seeds([str(a), str(b)])
+    b.write_text(json.dumps({"seeds": [dict(report(1, case(0.3, 0.02)), code="aaaa")]}))
+    assert "code fingerprint aaaa" in summarize(read_seeds([str(a), str(b)]))[0]
+
+
+def test_the_fingerprint_follows_the_code(tmp_path):
+    from specforge_conformance.fingerprint import code_fingerprint, fingerprint_of
+
+    now = code_fingerprint()
+    assert len(now) == 16 and now == code_fingerprint()
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("X = 1\n")
+    (pkg / "sub" / "b.py").write_text("Y = 1\n")
+    (pkg / "notes.txt").write_text("not code")
+    first = fingerprint_of({"pkg": [pkg]})
+    (pkg / "notes.txt").write_text("still not code")
+    assert fingerprint_of({"pkg": [pkg]}) == first
+    (pkg / "sub" / "b.py").write_text("Y = 2\n")
+    assert fingerprint_of({"pkg": [pkg]}) != first
+    (pkg / "sub" / "b.py").write_text("Y = 1\n")
+    assert fingerprint_of({"pkg": [pkg]}) == first and fingerprint_of({"other": [pkg]}) != first

@@ -74,3 +74,17 @@ def test_random_passes_match_the_reference_whatever_the_grouping(seed):
     plan = va.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1])
     ref = va.varlen_attention_reference(q, kc, vc, cu, sl, sp, 0.125)
     torch.testing.assert_close(va.varlen_attention_planned(q, kc, vc, plan, 0.125), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_a_float32_cache_stays_exact_unless_told_otherwise():
+    """A float32 cache is the parity dtype: per-request calls, bit-identical to the reference.
+    ``exact=False`` (a float32 cache under a bf16 model) groups it like a bf16 one, within float32
+    rounding of the reference."""
+    q, kc, vc, cu, sl, sp = _case(torch.float32, [1] * 8 + [4] * 4, list(range(12)), [40 + 3 * i for i in range(12)])
+    exact = va.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1])
+    assert exact.padded is None and not exact.groups
+    grouped = va.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1], exact=False)
+    assert grouped.padded is not None or grouped.groups
+    ref = va.varlen_attention_reference(q, kc, vc, cu, sl, sp, 0.125)
+    assert torch.equal(va.varlen_attention_planned(q, kc, vc, exact, 0.125), ref)
+    torch.testing.assert_close(va.varlen_attention_planned(q, kc, vc, grouped, 0.125), ref, atol=1e-5, rtol=1e-5)

@@ -10,9 +10,12 @@ this reports — seconds apart, the machine's drift mostly cancels.
 Arms: ``hf`` (Hugging Face ``generate``, bf16, the batch left-padded), and
 ``{eager,compiled}-{plain,ngram}`` (this engine, bf16, eager or compiled target forward; ``ngram``
 with γ = 5 and the fixed scheduler, as in ``specforge bench engine``); a ``native-`` prefix runs
-the same arm with the GGUF's 4-bit blocks as stored (``target.weights=native``)::
+the same arm with the GGUF's 4-bit blocks as stored (``target.weights=native``), and a ``:model``
+or ``:float32`` suffix gives an engine arm that KV-cache dtype (``target.kv_dtype``; without one,
+``auto``'s choice on this machine)::
 
     specforge bench ab --arms hf eager-plain compiled-plain compiled-ngram --trials 40 --out runs/engine-ab
+    specforge bench ab --arms eager-plain:model eager-plain:float32 --concurrency 16 --trials 20
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +32,19 @@ import torch
 
 from specforge.bench.engine_bench import variant_engine
 from specforge.bench.hf_baseline import load_smollm2, run_generate
+from specforge.bench.serving import prompt_mix
 from specforge.engine import GenerationRequest
 from specforge.errors import SpecforgeError
 from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.target import TargetModel
+from specforge.target.adapter import dtype_name
 
 __all__ = ["ARMS", "ABError", "quartiles", "ratios", "run_ab", "save", "table"]
 
-ENGINE_ARMS = [f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram")]
+_BASE_ARMS = [f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram")]
+# An engine arm may name its KV cache's dtype (specforge.target.kv_dtype): ``eager-plain:float32``;
+# without one the cache is ``auto``'s choice on this machine.
+ENGINE_ARMS = [*_BASE_ARMS, *(f"{a}:{kv}" for a in _BASE_ARMS for kv in ("model", "float32"))]
 ARMS = ["hf", *ENGINE_ARMS]
 DATASETS = ["humaneval", "mt-bench"]
 
@@ -68,8 +77,12 @@ class _Arms:
                 if not target.runtime.compile():
                     raise ABError("torch.compile is not available here (no C++ compiler)")
                 self.trunks[w] = target.runtime.compiled
-        self.engines = {a: variant_engine(self.targets[_weights(a)], a.rsplit("-", 1)[1], concurrency, max_new_tokens)
-                        for a in engine_arms}
+        self.engines = {}
+        for a in engine_arms:
+            base, _, kv = a.partition(":")
+            target = self.targets[_weights(a)]
+            target.runtime.kv_dtype = kv or "auto"  # read when the engine allocates its cache
+            self.engines[a] = variant_engine(target, base.rsplit("-", 1)[1], concurrency, max_new_tokens)
         self.hf_model, self.pad_id = None, 0
         if "hf" in arms:
             self.hf_model = load_smollm2("float32", tokenizer=False)[0].to(torch.bfloat16)
@@ -96,10 +109,12 @@ def run_ab(
     prompts: int = 8,
     max_new_tokens: int = 32,
     threads: int | None = None,
+    sharegpt: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Warm every arm up, then run ``trials`` paired trials; ``baseline`` (default: the first arm)
-    is what the ratios divide by.  ``progress`` hears a line every 10 trials."""
+    is what the ratios divide by; ``sharegpt`` ShareGPT first turns (at their real lengths) join the
+    prompts.  ``progress`` hears a line every 10 trials."""
     arms = list(arms)
     baseline = baseline or arms[0]
     if baseline not in arms:
@@ -109,6 +124,9 @@ def run_ab(
     c, n = concurrency, max_new_tokens
     setup = _Arms(arms, c, n)
     ids = [apply_chat_template(setup.tokenizer, p.text) for p in select_prompts(DATASETS, max(prompts, c))]
+    if sharegpt:  # long real contexts, interleaved so that every trial's batch mixes both
+        turns = prompt_mix(setup.tokenizer, [], 0, sharegpt)
+        ids = [x for pair in zip_longest(ids, turns) for x in pair if x is not None]
 
     def batch(first: int) -> list[list[int]]:
         return [ids[(first + j) % len(ids)] for j in range(c)]
@@ -125,7 +143,9 @@ def run_ab(
         if progress is not None and (t + 1) % 10 == 0:
             progress(f"trial {t + 1}/{trials}: " + ", ".join(f"{a} {speeds[a][-1]:.1f}" for a in arms))
     return {"arms": arms, "baseline": baseline, "trials": trials, "concurrency": c, "max_new_tokens": n,
+            "prompts": len(ids), "sharegpt": sharegpt,
             "threads": torch.get_num_threads(), "warmup_seconds": round(warmup, 1),
+            "kv_dtype": {a: dtype_name(e.cache.k[0].dtype) for a, e in setup.engines.items()},
             "compile_failed": {w: trunk.failed for w, trunk in setup.trunks.items()},
             "summary": ratios(speeds, baseline), "tok_s": speeds}
 
@@ -145,17 +165,21 @@ def ratios(speeds: dict[str, list[float]], baseline: str) -> dict[str, dict[str,
 def save(result: dict[str, Any], out: Path) -> Path:
     """Write the result as ``ab-ARMS-cC.json`` in ``out``; returns the file."""
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"ab-{'-'.join(result['arms'])}-c{result['concurrency']}.json"
+    arms = "-".join(a.replace(":", "=") for a in result["arms"])  # no ':' in file names (Windows)
+    path = out / f"ab-{arms}-c{result['concurrency']}.json"
     path.write_text(json.dumps(result, indent=2))
     return path
 
 
 def table(result: dict[str, Any]) -> str:
     baseline = result["baseline"]
-    head = f"{'arm':<16} {'tok/s median':>12} {'÷ ' + baseline + ' median':>22} {'quartiles':>16}"
+    w = max(16, *(len(a) for a in result["summary"]))
+    ratio = "÷ " + baseline + " median"
+    r = max(22, len(ratio))
+    head = f"{'arm':<{w}} {'tok/s median':>12} {ratio:>{r}} {'quartiles':>16}"
     lines = [head, "-" * len(head)]
     for arm, s in result["summary"].items():
         q = s[f"ratio_to_{baseline}_quartiles"]
-        lines.append(f"{arm:<16} {s['tok_s_median']:>12.1f} {s[f'ratio_to_{baseline}_median']:>22.2f} "
+        lines.append(f"{arm:<{w}} {s['tok_s_median']:>12.1f} {s[f'ratio_to_{baseline}_median']:>{r}.2f} "
                      f"{q[0]:>7.2f}–{q[2]:.2f}")
     return "\n".join(lines)

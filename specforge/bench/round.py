@@ -127,7 +127,7 @@ def run_round_benchmark(sources: Sequence[str] = ("dspark",), overrides: Sequenc
         from specforge.config import ConfigError
 
         raise ConfigError(["drafter.name: bench round measures a speculative pipeline; this one has no drafter"])
-    target = TargetModel.load(base.target.model, base.target.dtype, base.target.compile, base.target.weights)
+    target = TargetModel.from_config(base.target)
     prompts = select_prompts(list(datasets), max(concurrency), eval_dir)
     ids = [apply_chat_template(target.tokenizer, p.text) for p in prompts]
     started = time.perf_counter()

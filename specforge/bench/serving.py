@@ -42,7 +42,8 @@ from specforge.bench.machine import machine
 from specforge.errors import SpecforgeError
 from specforge.files import write_atomic
 
-__all__ = ["DEFAULT_ARMS", "ServingResumeError", "arm_pipelines", "run_serving_benchmark", "save", "table"]
+__all__ = ["DEFAULT_ARMS", "ServingResumeError", "arm_pipelines", "prompt_mix", "run_serving_benchmark", "save",
+           "table"]
 
 class ServingResumeError(SpecforgeError, ValueError):
     """An unfinished run measured with other settings or on another machine: not resumed."""
@@ -86,18 +87,19 @@ def arm_pipelines(arms: Sequence[str], drafter: Sequence[str] = ("dspark",),
     return out
 
 
-def _prompts(target: Any, datasets: Sequence[str], per_set: int, sharegpt: int, eval_dir: str | None) -> list[list[int]]:
+def prompt_mix(tokenizer: Any, datasets: Sequence[str], per_set: int, sharegpt: int,
+               eval_dir: str | None = None) -> list[list[int]]:
     """Chat-templated prompt ids: ``per_set`` from each eval set, then ``sharegpt`` ShareGPT first
     turns (their real lengths), interleaved so every stretch of the loop sees the mix."""
     from specforge.evalsets import apply_chat_template, select_prompts
 
-    groups = [[apply_chat_template(target.tokenizer, p.text) for p in select_prompts(name, per_set, eval_dir)]
+    groups = [[apply_chat_template(tokenizer, p.text) for p in select_prompts(name, per_set, eval_dir)]
               for name in datasets]
     if sharegpt:
         from specforge.data.sharegpt import load_sharegpt
 
         conversations, _ = load_sharegpt(limit=sharegpt, progress=False)
-        groups.append([apply_chat_template(target.tokenizer, c.user_turns[0]) for c in conversations if c.user_turns])
+        groups.append([apply_chat_template(tokenizer, c.user_turns[0]) for c in conversations if c.user_turns])
     mixed = []
     for i in range(max((len(g) for g in groups), default=0)):
         mixed.extend(g[i] for g in groups if i < len(g))
@@ -238,9 +240,9 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     settings or another machine (CPU, threads) is refused, naming what differs."""
     from specforge.config import EngineConfig
     from specforge.engine import Engine
-    from specforge.target import TargetModel
-
     from specforge.config import load_pipeline
+    from specforge.target import TargetModel
+    from specforge.target.adapter import dtype_name
 
     if "plain" not in arms:
         arms = ["plain", *arms]  # the denominator of every ratio
@@ -248,13 +250,14 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     target_section = load_pipeline(list(drafter)).to_dict()["target"]
     pipelines = arm_pipelines(arms, drafter, target_section)
     first = pipelines["plain"]
-    target = TargetModel.load(first.target.model, first.target.dtype, first.target.compile, first.target.weights)
-    prompts = _prompts(target, datasets, per_set, sharegpt, eval_dir)
+    target = TargetModel.from_config(first.target)
+    prompts = prompt_mix(target.tokenizer, datasets, per_set, sharegpt, eval_dir)
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     m = machine()
     settings = {"arms": list(arms), "drafter": list(drafter), "datasets": list(datasets), "per_set": per_set,
                 "sharegpt": sharegpt, "max_new_tokens": max_new_tokens, "requests_per_slot": requests_per_slot,
-                "vllm": vllm, "cpu": m["cpu"], "torch_threads": m["torch_threads"]}
+                "vllm": vllm, "cpu": m["cpu"], "torch_threads": m["torch_threads"],
+                "kv_dtype": dtype_name(target.runtime.cache_dtype())}
     records: list[dict[str, Any]] = []
     vllm_status: dict[str, str] = {}
     done: list[int] = []

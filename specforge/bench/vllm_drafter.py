@@ -125,8 +125,7 @@ def run_vllm_drafter(drafter_dir: str | Path, settings: VllmDrafterSettings, out
     shutil.rmtree(export, ignore_errors=True)  # our own output of an earlier run
     notes = export_checkpoint(drafter_dir, "vllm", export)
 
-    target = TargetModel.load(pipeline.target.model, pipeline.target.dtype, pipeline.target.compile,
-                              pipeline.target.weights)
+    target = TargetModel.from_config(pipeline.target)
     names, prompt_ids = [], []
     for name in settings.datasets:
         for p in select_prompts(name, settings.prompts, settings.eval_dir):

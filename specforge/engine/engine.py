@@ -166,8 +166,7 @@ class Engine:
     @classmethod
     def from_pipeline(cls, pipeline: PipelineConfig, target: TargetModel | None = None) -> Engine:
         """Build the target (unless given) and every component a validated pipeline names."""
-        target = target or TargetModel.load(pipeline.target.model, pipeline.target.dtype, pipeline.target.compile,
-                                           pipeline.target.weights)
+        target = target or TargetModel.from_config(pipeline.target)
         parts = {kind: (spec.create() if spec is not None else None) for kind, spec in pipeline.components.items()}
         drafter = parts[ComponentKind.DRAFTER]
         if drafter is not None:

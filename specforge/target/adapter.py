@@ -11,6 +11,7 @@ from torch import Tensor
 from specforge.target.args import ModelArgs
 from specforge.target.batch import VarlenBatch
 from specforge.target.cache import KVCache
+from specforge.target.kv_dtype import KV_DTYPES
 from specforge.target.loading import load_hf, resolve_model
 from specforge.target.model import ForwardOutput, Transformer
 from specforge.target.quantized import NativeWeightsError, require_bfloat16, use_native_weights
@@ -48,12 +49,20 @@ class TargetModel:
         self.weights = {"native": 0, "dense": 4 * self.args.n_layers + 1}  # + the LM head
 
     @classmethod
+    def from_config(cls, config: Any) -> TargetModel:
+        """Load the target a pipeline's ``target`` section (:class:`~specforge.config.TargetConfig`) names."""
+        return cls.load(config.model, config.dtype, config.compile, config.weights, config.kv_dtype)
+
+    @classmethod
     def load(cls, model: str = "smollm2", dtype: str | torch.dtype = "bfloat16",
-             compile: bool = False, weights: str = "dense") -> TargetModel:
+             compile: bool = False, weights: str = "dense", kv_dtype: str = "auto") -> TargetModel:
         """Load the embedded default, an HF directory or a GGUF file (see :mod:`.loading`);
         ``compile`` turns on the compiled forward (:meth:`Transformer.compile`); ``weights="native"``
-        runs a GGUF's 4-bit blocks as stored (:mod:`.quantized`)."""
+        runs a GGUF's 4-bit blocks as stored (:mod:`.quantized`); ``kv_dtype`` is the KV cache's
+        dtype (:mod:`.kv_dtype`: ``"auto"`` measures this CPU)."""
         dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        if kv_dtype not in KV_DTYPES:  # refused before the (slow) load
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
         if weights not in ("dense", "native"):
             raise ValueError(f"weights must be 'dense' or 'native', not {weights!r}")
         if weights == "native":  # refused before the (slow) load when it cannot work
@@ -64,6 +73,7 @@ class TargetModel:
             require_bfloat16(dtype)
         hf_model, tokenizer = load_hf(model, torch.float32)
         target = cls(hf_model, tokenizer, dtype, name=model)
+        target.runtime.kv_dtype = kv_dtype
         if weights == "native":
             with torch.no_grad():
                 target.weights = use_native_weights(target.runtime, hf_model, directory / gguf)

@@ -19,6 +19,7 @@ from specforge.target.args import ModelArgs
 from specforge.target.batch import VarlenBatch
 from specforge.target.cache import KVCache
 from specforge.target.compiled import Attend, CompiledTrunk, compile_available, register_projection
+from specforge.target.kv_dtype import resolve_kv_dtype
 from specforge_kernels.varlen_attention import (
     VarlenPlan,
     plan_varlen_attention,
@@ -181,6 +182,9 @@ class Transformer(nn.Module):
         # the planner decide (bf16/fp16 only), False keeps one SDPA per request, which is
         # batch-invariant bit for bit, True forces the padded path.
         self.batched_attention: bool | None = None
+        # The KV cache's dtype (specforge.target.kv_dtype): "auto" measures whether float32
+        # decode attention beats the model's dtype on this CPU; "model" or "float32" force one.
+        self.kv_dtype = "auto"
         self.compiled: CompiledTrunk | None = None  # see compile()
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -192,7 +196,12 @@ class Transformer(nn.Module):
 
     def new_cache(self, slots: int, capacity: int, device: torch.device | str = "cpu") -> KVCache:
         a = self.args
-        return KVCache(a.n_layers, slots, a.n_kv_heads, capacity, a.head_dim, self.dtype, device)
+        return KVCache(a.n_layers, slots, a.n_kv_heads, capacity, a.head_dim, self.cache_dtype(device), device)
+
+    def cache_dtype(self, device: torch.device | str = "cpu") -> torch.dtype:
+        """The dtype a new cache on ``device`` stores K/V in (``kv_dtype`` resolved)."""
+        a = self.args
+        return resolve_kv_dtype(self.kv_dtype, self.dtype, device, a.n_heads, a.n_kv_heads, a.head_dim)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         x = F.embedding(tokens, self.embed)
@@ -220,7 +229,8 @@ class Transformer(nn.Module):
             # The attention metadata is the same for every layer: check it and copy it to the
             # host once per pass (the Triton kernel on CUDA reads it on the device instead).
             plan = plan_varlen_attention(batch.cu_seqlens, batch.slots, batch.start_pos, cache.k[0],
-                                         batch.num_tokens, self.args.n_heads, self.batched_attention, batch.tree)
+                                         batch.num_tokens, self.args.n_heads, self.batched_attention, batch.tree,
+                                         exact=self.dtype == torch.float32)
             cache.note_written(plan.slots, [s + plan.cu[r + 1] - plan.cu[r] for r, s in enumerate(plan.start)])
         attend = _PassAttention(self.args.attention_scale, batch, cache, plan)
         trunk = self.trunk
@@ -272,8 +282,14 @@ class _PassAttention:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
         b, cache = self.batch, self.cache
+        dtype = q.dtype
+        kv = cache.k[layer].dtype
+        if kv != dtype:  # a float32 cache under a bf16 model (specforge.target.kv_dtype)
+            q, k, v = q.to(kv), k.to(kv), v.to(kv)
         cache.update(layer, b.token_slots, b.positions, k, v)
         if self.plan is not None:
-            return varlen_attention_planned(q, cache.k[layer], cache.v[layer], self.plan, self.scale)
-        return varlen_attention(q, cache.k[layer], cache.v[layer], b.cu_seqlens, b.slots, b.start_pos, self.scale,
-                                tree=b.tree)
+            o = varlen_attention_planned(q, cache.k[layer], cache.v[layer], self.plan, self.scale)
+        else:
+            o = varlen_attention(q, cache.k[layer], cache.v[layer], b.cu_seqlens, b.slots, b.start_pos, self.scale,
+                                 tree=b.tree)
+        return o.to(dtype)
