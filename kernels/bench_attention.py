@@ -185,7 +185,7 @@ def _fastest_quarter(seconds: list[float]) -> float:
 
 
 def mixed_main(reps: int, dtypes: list[str]) -> int:
-    from specforge.bench.machine import machine
+    from specforge.machine import machine
 
     pool = [c for c in sharegpt_contexts(400) if c <= 4000]
     rows = []

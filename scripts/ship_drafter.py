@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specforge.bench.machine import machine
+from specforge.machine import machine
 from specforge.training.checkpoint import latest_checkpoint
 from specforge.training.curve import learning_curve, plot_learning_curve
 from specforge_plugins.drafters.block.checkpoint import CONFIG, WEIGHTS, load_drafter, save_drafter

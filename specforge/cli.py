@@ -345,10 +345,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     profile.save(out / "profile.json")
     (out / "timings.json").write_text(json.dumps({"model": args.model, "dtype": args.dtype,
+                                                  "precision": target.precision.to_dict(),
                                                   "weights": args.weights, "compiled": args.compile,
                                                   "context": args.context, "device": profile.device,
                                                   "records": records}, indent=2) + "\n")
-    plot_profile(records, out / "profile.png", f"{args.model} ({args.dtype}), {profile.device}")
+    plot_profile(records, out / "profile.png", f"{args.model} ({target.precision_label}), {profile.device}")
     print(json.dumps(records, indent=2) if args.json else profile_table(records))
     print(f"wrote {out / 'profile.json'} (use it as scheduler.profile=...), timings.json and profile.png",
           file=sys.stderr)
@@ -602,7 +603,9 @@ def _add_bench_engine(bench_sub) -> None:
     eb.add_argument("--prompts", type=int, default=16, help="prompts drawn from the datasets")
     eb.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     eb.add_argument("--max-new-tokens", type=int, default=128)
-    eb.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    eb.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="the engine's precision (auto: measured on this machine, docs/engine.md#precision); "
+                         "with auto HF generate and vLLM run in float32 and in bfloat16")
     eb.add_argument("--systems", nargs="+", choices=["hf", "specforge", "vllm"],
                     default=["hf", "specforge", "vllm"])
     eb.add_argument("--per-dataset", nargs="*", default=[], metavar="DATASET",
@@ -615,7 +618,7 @@ def _add_bench_engine(bench_sub) -> None:
     eb.add_argument("--compile", action="store_true",
                     help="also run every engine variant with the compiled target forward "
                     "(target.compile; system specforge-compiled), right after its eager run")
-    eb.add_argument("--weights", choices=["dense", "native"], default="dense",
+    eb.add_argument("--weights", choices=["auto", "dense", "native"], default="auto",
                     help="the engine's weights (target.weights): 'native' runs the GGUF's 4-bit blocks "
                     "(systems specforge-native…) and reports how close dense bf16 and native stay to "
                     "the float32 model")
@@ -676,7 +679,8 @@ def _add_profile(sub) -> None:
         "every row) for each B; write profile.json, timings.json, a table and profile.png.",
     )
     pf.add_argument("--model", default="smollm2", help="embedded default, HF directory or GGUF file")
-    pf.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    pf.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                    help="the target's precision (auto: measured on this machine per pass size)")
     pf.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES), metavar="B",
                     help="flattened batch sizes to time")
     pf.add_argument("--context", type=int, default=256, help="cached tokens per request")
@@ -684,7 +688,7 @@ def _add_profile(sub) -> None:
     pf.add_argument("--reps", type=int, default=5, help="timed passes per B (the median is kept)")
     pf.add_argument("--compile", action="store_true",
                     help="measure the compiled forward (target.compile), whose curve has another shape")
-    pf.add_argument("--weights", choices=["dense", "native"], default="dense",
+    pf.add_argument("--weights", choices=["auto", "dense", "native"], default="auto",
                     help="measure with a GGUF's 4-bit blocks run natively (target.weights=native)")
     pf.add_argument("--out", default="runs/profile", help="output directory")
     pf.add_argument("--json", action="store_true", help="print the timings as JSON instead of the table")
@@ -803,7 +807,7 @@ def _add_interop(sub) -> None:
     im.add_argument("--out", required=True, metavar="DRAFTER_DIR", help="a new (or empty) folder")
     im.add_argument("--from", dest="source_format", default=None, metavar="FORMAT", help="skip detection")
     im.add_argument("--target", default=None, help="the target it serves (embedded default, HF dir or GGUF), to check")
-    im.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    im.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     im.set_defaults(func=cmd_import)
 
 

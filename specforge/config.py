@@ -2,7 +2,7 @@
 
 A pipeline is YAML like::
 
-    target: {model: smollm2, dtype: bfloat16}
+    target: {model: smollm2, dtype: auto}
     sampling: {temperature: 1.0, top_k: 0, top_p: 1.0, seed: 0, max_new_tokens: 128}
     drafter: null                      # null: plain autoregressive decoding
     correction_head: {name: none}
@@ -85,19 +85,26 @@ class TargetConfig(BaseModel):
         description="'smollm2' (the embedded SmolLM2-135M-Instruct), a Hugging Face model "
         "directory, or a .gguf file",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="precision of the target's passes: 'auto' times float32, bfloat16, float16 (where the "
+        "CPU computes it natively) and a GGUF's own 4-bit blocks on this machine's decode, verify and "
+        "prefill passes once (cached) and runs each pass size in the fastest whose logits stay close to "
+        "float32's; an explicit precision is used for every pass (float16 only on CPUs with native "
+        "float16). Drafters, heads and training compute in the precision of 16-row passes",
+    )
     compile: bool = Field(
         False,
         description="run the target's passes through torch.compile (fused norms/rotary/residuals "
         "and decode attention; the pre-packed projections stay outside it): faster steps after "
         "a minute or two of compilation; needs a C++ compiler on CPU, else eager",
     )
-    weights: Literal["dense", "native"] = Field(
-        "dense",
+    weights: Literal["auto", "dense", "native"] = Field(
+        "auto",
         description="'native' runs a GGUF target's Q4_0/Q4_1 projections on their 4-bit blocks "
-        "(torch's int4 kernel, bf16 activations) for passes of up to 8 rows, a bf16 copy of the "
-        "same weights for bigger ones: ~3x fewer bytes a decoding step at one or a few requests; "
-        "GGUF targets and dtype=bfloat16 only",
+        "(torch's int4 kernel, bf16 activations; ~3x fewer bytes a decoding step) for every pass; "
+        "'dense' never; 'auto' lets dtype=auto measure them as one more candidate (with an explicit "
+        "dtype, auto is dense). GGUF targets only, with bfloat16 activations",
     )
     kv_dtype: KVDtype = Field(
         "auto",

@@ -191,7 +191,8 @@ class HardwareProfile:
                  if mine != UNKNOWN and mine != theirs]
         if wrong:
             raise HardwareProfileError(f"{source} was measured for {' and '.join(wrong)}; measure this one with "
-                                       f"`specforge profile --model {target_name} --dtype {dtype}` or use profile: auto")
+                                       f"`specforge profile --model {target_name} --dtype "
+                                       f"{'auto' if '@' in dtype else dtype}` or use profile: auto")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")

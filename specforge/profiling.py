@@ -37,22 +37,13 @@ from typing import Any
 import torch
 
 from specforge.hardware import DraftCost, HardwareProfile
-from specforge.target.adapter import dtype_name
 from specforge.target import TargetModel
-from specforge.target.batch import VarlenBatch
+from specforge.target.batch import VarlenBatch, split_tokens
 
 __all__ = ["DEFAULT_BATCHES", "DRAFT_COST_REQUESTS", "machine_draft_cost", "machine_profile", "measure_draft_cost",
            "measure_sps", "non_increasing", "plot_profile", "profile_table", "split_tokens"]
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-
-
-def split_tokens(batch: int, requests: int) -> list[int]:
-    """``batch`` new tokens over min(batch, requests) requests, as evenly as possible."""
-    if batch < 1 or requests < 1:
-        raise ValueError(f"batch and requests must be positive (got {batch}, {requests})")
-    r = min(batch, requests)
-    return [batch // r + (1 if i < batch % r else 0) for i in range(r)]
 
 
 def non_increasing(values: Sequence[float]) -> list[float]:
@@ -142,7 +133,7 @@ def measure_sps(
                 "median_s": round(m, 9), "sps_measured": round(1.0 / m, 3), "sps": round(f, 3),
                 "tokens_per_s": round(b * f, 1)}
                for (b, r, _, _), m, f in zip(passes, medians, fitted)]
-    profile = HardwareProfile(points, device=_device_label(), target=target.name, dtype=dtype_name(target.dtype))
+    profile = HardwareProfile(points, device=_device_label(), target=target.name, dtype=target.precision_label)
     return profile, records
 
 
@@ -151,17 +142,13 @@ AUTO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def _profile_key(target: TargetModel) -> str:
-    """What a step curve depends on: the target and how it runs, the CPU, the thread count."""
-    import hashlib
+    """What a step curve depends on: the target and how it runs (precision, weights, KV-cache
+    dtype, compiled or not) and the machine (:func:`specforge.machine.machine_key`)."""
+    from specforge.machine import machine_key
 
-    from specforge.bench.machine import machine
-
-    m = machine()
-    key = {"target": target.name, "dtype": str(target.dtype), "weights": target.weights,
-           "kv_dtype": str(target.runtime.cache_dtype()),
-           "compiled": bool(getattr(target.runtime, "compiled", False)), "cpu": m["cpu"], "flags": m["flags"],
-           "threads": m["torch_threads"], "torch": m["torch"]}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return machine_key(target=target.name, precision=target.precision_label, weights=target.weights,
+                       kv_dtype=str(target.runtime.cache_dtype()),
+                       compiled=bool(getattr(target.runtime, "compiled", False)))
 
 
 def machine_profile(target: TargetModel, log: Any = None) -> HardwareProfile:
@@ -236,7 +223,7 @@ def measure_draft_cost(engine: Any, requests: Sequence[int] = DRAFT_COST_REQUEST
         engine.scheduler, engine.cache, engine.context_limit = saved
         engine._measuring = False
         engine.reset_clocks()
-    from specforge.bench.machine import machine
+    from specforge.machine import machine
 
     return DraftCost(points, device=machine()["cpu"], target=str(engine.target.name))
 

@@ -19,8 +19,11 @@ def test_help_lists_every_arm():
                    "--max-new-tokens", "--threads", "--out"):
         assert option in result.stdout
     engine = {f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram")}
-    assert set(ARMS) == {"hf"} | engine | {f"{a}:{kv}" for a in engine for kv in ("model", "float32")}
+    engine |= {f"{a}/{p}" for a in engine for p in ("auto", "float32", "bfloat16")}
+    hf = {"hf", "hf/float32", "hf/bfloat16"}
+    assert set(ARMS) == hf | engine | {f"{a}:{kv}" for a in engine for kv in ("model", "float32")}
     assert ":float32 suffix" in " ".join(result.stdout.split())
+    assert "/PRECISION suffix" in " ".join(result.stdout.split())
 
 
 def test_an_arm_names_its_kv_cache_dtype(tmp_path, monkeypatch):
@@ -38,6 +41,27 @@ def test_an_arm_names_its_kv_cache_dtype(tmp_path, monkeypatch):
     assert result["kv_dtype"] == {"eager-plain:model": "bfloat16", "eager-plain:float32": "float32"}
     assert len(result["tok_s"]["eager-plain:float32"]) == 2
     assert ab.save(result, tmp_path).name == "ab-eager-plain=model-eager-plain=float32-c2.json"
+
+
+def test_an_arm_names_its_precision(tmp_path, monkeypatch):
+    """``eager-plain/float32`` and ``eager-plain/bfloat16`` decode with those targets, beside HF
+    generate in float32; the JSON says what each arm ran in and on which machine."""
+    from specforge.bench import ab
+    from specforge.target import TargetModel
+    from tiny_models import save_tiny, save_tokenizer
+
+    path = save_tiny("llama", tmp_path / "m")
+    save_tokenizer(path)
+    load = TargetModel.load
+    monkeypatch.setattr(ab.TargetModel, "load", lambda model, dtype, **k: load(str(path), dtype, **k))
+    monkeypatch.setattr(ab, "load_smollm2", lambda dtype, tokenizer=True: (
+        TargetModel.load(str(path), "float32").hf_model, None))
+    arms = ["eager-plain/float32", "eager-plain/bfloat16", "hf/float32"]
+    result = ab.run_ab(arms, trials=2, concurrency=2, prompts=2, max_new_tokens=3)
+    assert {a: p["label"] for a, p in result["precision"].items()} == {
+        "eager-plain/float32": "float32", "eager-plain/bfloat16": "bfloat16"}
+    assert result["machine"]["cpu_capability"] and len(result["tok_s"]["hf/float32"]) == 2
+    assert ab.save(result, tmp_path).name == "ab-eager-plain@float32-eager-plain@bfloat16-hf@float32-c2.json"
 
 
 def test_a_baseline_outside_the_arms_is_refused_before_anything_loads():

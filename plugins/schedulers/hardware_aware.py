@@ -99,14 +99,13 @@ class _HardwareAware:
         self._wait: dict[int, int] = {}
 
     def bind(self, target: Any) -> None:
-        from specforge.target.adapter import dtype_name
 
         if self.profile is None:
             from specforge.profiling import machine_profile
 
             self.profile = machine_profile(target)
         elif isinstance(self.config.profile, Path):  # a file: measured for this target and dtype?
-            self.profile.check_fits(str(target.name), dtype_name(target.dtype), source=f"profile {self.config.profile}")
+            self.profile.check_fits(str(target.name), target.precision_label, source=f"profile {self.config.profile}")
 
     def bind_draft_cost(self, measure: Callable[[], DraftCost]) -> None:
         """The engine offers this pipeline's drafting cost on this machine (measured once and

@@ -7,19 +7,23 @@ back to back, the order reversed from trial to trial; each arm's speed is divide
 arm's *in the same trial*.  The median and quartiles of those ratios over many trials are what
 this reports — seconds apart, the machine's drift mostly cancels.
 
-Arms: ``hf`` (Hugging Face ``generate``, bf16, the batch left-padded), and
-``{eager,compiled}-{plain,ngram}`` (this engine, bf16, eager or compiled target forward; ``ngram``
-with γ = 5 and the fixed scheduler, as in ``specforge bench engine``); a ``native-`` prefix runs
-the same arm with the GGUF's 4-bit blocks as stored (``target.weights=native``), and a ``:model``
-or ``:float32`` suffix gives an engine arm that KV-cache dtype (``target.kv_dtype``; without one,
-``auto``'s choice on this machine)::
+Arms: ``hf`` (Hugging Face ``generate``, the batch left-padded), and
+``{eager,compiled}-{plain,ngram}`` (this engine, eager or compiled target forward; ``ngram`` with
+γ = 5 and the fixed scheduler, as in ``specforge bench engine``); a ``native-`` prefix runs the
+same arm with the GGUF's 4-bit blocks as stored (``target.weights=native``).  A ``/PRECISION``
+suffix sets the precision: ``/auto`` (the engine's default: measured on this machine, see
+docs/engine.md#precision), ``/float32`` or ``/bfloat16`` (without one: ``auto`` for the engine,
+bfloat16 for ``hf``); a last ``:model`` or ``:float32`` gives an engine arm that KV-cache dtype
+(``target.kv_dtype``; without one, ``auto``'s choice on this machine)::
 
     specforge bench ab --arms hf eager-plain compiled-plain compiled-ngram --trials 40 --out runs/engine-ab
+    specforge bench ab --arms eager-plain/bfloat16 eager-plain/float32 eager-plain/auto hf/float32 --concurrency 8
     specforge bench ab --arms eager-plain:model eager-plain:float32 --concurrency 16 --trials 20
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -36,16 +40,20 @@ from specforge.bench.serving import prompt_mix
 from specforge.engine import GenerationRequest
 from specforge.errors import SpecforgeError
 from specforge.evalsets import apply_chat_template, select_prompts
+from specforge.machine import machine
 from specforge.target import TargetModel
 from specforge.target.adapter import dtype_name
 
 __all__ = ["ARMS", "ABError", "quartiles", "ratios", "run_ab", "save", "table"]
 
 _BASE_ARMS = [f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram")]
-# An engine arm may name its KV cache's dtype (specforge.target.kv_dtype): ``eager-plain:float32``;
-# without one the cache is ``auto``'s choice on this machine.
-ENGINE_ARMS = [*_BASE_ARMS, *(f"{a}:{kv}" for a in _BASE_ARMS for kv in ("model", "float32"))]
-ARMS = ["hf", *ENGINE_ARMS]
+_PRECISIONS = ("auto", "float32", "bfloat16")
+# An engine arm may name its precision (``eager-plain/float32``; default auto) and its KV cache's
+# dtype (specforge.target.kv_dtype): ``eager-plain:float32``; without one the cache is ``auto``'s
+# choice on this machine.
+_WITH_PRECISION = [*_BASE_ARMS, *(f"{a}/{p}" for a in _BASE_ARMS for p in _PRECISIONS)]
+ENGINE_ARMS = [*_WITH_PRECISION, *(f"{a}:{kv}" for a in _WITH_PRECISION for kv in ("model", "float32"))]
+ARMS = ["hf", "hf/float32", "hf/bfloat16", *ENGINE_ARMS]
 DATASETS = ["humaneval", "mt-bench"]
 
 
@@ -61,40 +69,54 @@ def _weights(arm: str) -> str:
     return "native" if arm.startswith("native-") else "dense"
 
 
+def _parts(arm: str) -> tuple[str, str, str]:
+    """``native-eager-plain/float32:model`` → (``native-eager-plain``, ``float32``, ``model``)."""
+    head, _, kv = arm.partition(":")
+    base, _, precision = head.partition("/")
+    return base, precision or ("bfloat16" if base == "hf" else "auto"), kv
+
+
 class _Arms:
     """Everything the arms decode with, loaded once: a target per kind of weights (with its
     compiled trunk where an arm needs it), an engine per engine arm, and HF's model for ``hf``."""
 
     def __init__(self, arms: Sequence[str], concurrency: int, max_new_tokens: int) -> None:
-        engine_arms = [a for a in arms if a != "hf"]
-        self.targets = {w: TargetModel.load("smollm2", "bfloat16", weights=w)
-                        for w in ("dense", "native") if any(_weights(a) == w for a in engine_arms)}
+        engine_arms = [a for a in arms if _parts(a)[0] != "hf"]
+        # one target per (weights, precision) the arms name
+        self.targets = {key: TargetModel.load("smollm2", key[1], weights=key[0])
+                        for key in dict.fromkeys((_weights(a), _parts(a)[1]) for a in engine_arms)}
         self.tokenizer = (next(iter(self.targets.values())).tokenizer if self.targets
                           else load_smollm2("float32")[1])
-        self.trunks = {}
-        for w, target in self.targets.items():
-            if any("compiled" in a and _weights(a) == w for a in engine_arms):
-                if not target.runtime.compile():
+        self.trunks: dict[tuple[str, str], dict[str, Any]] = {}
+        for key, target in self.targets.items():
+            if any("compiled" in a and (_weights(a), _parts(a)[1]) == key for a in engine_arms):
+                if not target.compile():
                     raise ABError("torch.compile is not available here (no C++ compiler)")
-                self.trunks[w] = target.runtime.compiled
+                self.trunks[key] = target.trunks
         self.engines = {}
         for a in engine_arms:
-            base, _, kv = a.partition(":")
-            target = self.targets[_weights(a)]
+            base, precision, kv = _parts(a)
+            target = self.targets[(_weights(a), precision)]
             target.runtime.kv_dtype = kv or "auto"  # read when the engine allocates its cache
             self.engines[a] = variant_engine(target, base.rsplit("-", 1)[1], concurrency, max_new_tokens)
-        self.hf_model, self.pad_id = None, 0
-        if "hf" in arms:
-            self.hf_model = load_smollm2("float32", tokenizer=False)[0].to(torch.bfloat16)
-            self.pad_id = self.hf_model.generation_config.pad_token_id or 0
+        self.hf_models: dict[str, Any] = {}
+        self.pad_id = 0
+        hf_precisions = {_parts(a)[1] for a in arms if _parts(a)[0] == "hf"}
+        if hf_precisions:
+            model = load_smollm2("float32", tokenizer=False)[0]
+            self.pad_id = model.generation_config.pad_token_id or 0
+            # Module.to works in place: each precision its own copy
+            self.hf_models = {p: model if p == "float32" else copy.deepcopy(model).to(getattr(torch, p))
+                              for p in sorted(hf_precisions)}
 
     def speed(self, arm: str, batch: list[list[int]], tokens: int) -> float:
         """Tokens per second of ``arm`` decoding ``batch`` for ``tokens`` tokens each."""
-        if arm == "hf":
-            rows, seconds = run_generate(self.hf_model, batch, tokens, self.pad_id)
+        base, precision, _ = _parts(arm)
+        if base == "hf":
+            rows, seconds = run_generate(self.hf_models[precision], batch, tokens, self.pad_id)
             return sum(len(r) for r in rows) / seconds
-        w = _weights(arm)
-        self.targets[w].runtime.compiled = self.trunks.get(w) if "compiled" in arm else None
+        key = (_weights(arm), precision)
+        self.targets[key].use_trunks(self.trunks.get(key) if "compiled" in arm else None)
         started = time.perf_counter()
         outs = self.engines[arm].generate([GenerationRequest(prompt_ids=p, max_new_tokens=tokens, ignore_eos=True)
                                            for p in batch])
@@ -146,7 +168,10 @@ def run_ab(
             "prompts": len(ids), "sharegpt": sharegpt,
             "threads": torch.get_num_threads(), "warmup_seconds": round(warmup, 1),
             "kv_dtype": {a: dtype_name(e.cache.k[0].dtype) for a, e in setup.engines.items()},
-            "compile_failed": {w: trunk.failed for w, trunk in setup.trunks.items()},
+            "precision": {a: e.target.precision.to_dict() for a, e in setup.engines.items()},
+            "machine": machine(),
+            "compile_failed": {f"{w}/{p}": trunk.failed for (w, p), trunks in setup.trunks.items()
+                               for p, trunk in trunks.items()},
             "summary": ratios(speeds, baseline), "tok_s": speeds}
 
 
@@ -165,7 +190,8 @@ def ratios(speeds: dict[str, list[float]], baseline: str) -> dict[str, dict[str,
 def save(result: dict[str, Any], out: Path) -> Path:
     """Write the result as ``ab-ARMS-cC.json`` in ``out``; returns the file."""
     out.mkdir(parents=True, exist_ok=True)
-    arms = "-".join(a.replace(":", "=") for a in result["arms"])  # no ':' in file names (Windows)
+    # no ':' (Windows) or '/' in file names
+    arms = "-".join(a.replace(":", "=").replace("/", "@") for a in result["arms"])
     path = out / f"ab-{arms}-c{result['concurrency']}.json"
     path.write_text(json.dumps(result, indent=2))
     return path

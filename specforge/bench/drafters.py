@@ -35,7 +35,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from specforge.bench.machine import machine
+from specforge.machine import machine
 from specforge.config import ConfigError, compose, validation_problems
 from specforge.files import write_atomic
 
@@ -322,6 +322,7 @@ def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say,
     rows = {names[0]: result["results"], **{n: result["compare"][n]["results"] for n in names[1:]}}
     return {
         "machine": machine(),
+        "precision": target.precision.to_dict(),
         "config": bench.model_dump(mode="json"),
         "settings": settings.to_dict(),
         "seconds": {"training_and_data": train_s},

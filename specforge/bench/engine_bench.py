@@ -26,7 +26,7 @@ from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.hardware import HardwareProfile
-from specforge.target.adapter import dtype_name
+from specforge.machine import machine
 from specforge.plugins import get_host
 from specforge.profiling import DEFAULT_BATCHES, measure_sps
 from specforge.target import TargetModel
@@ -105,7 +105,7 @@ def bench_engine_variant(
         counts.append([len(o.token_ids) for o in outs])
         ptoks += sum(len(prompt_ids[i]) for i in indices)
         stats.extend(o.stats for o in outs)
-    record = {"system": system, "variant": variant, "dtype": dtype_name(target.dtype),
+    record = {"system": system, "variant": variant, "dtype": target.precision_label,
               "concurrency": concurrency, "status": "ok", "reason": None}
     record.update(summarize(times, counts, ptoks))
     pooled = AcceptanceCounts.pooled(stats)
@@ -123,8 +123,9 @@ def _system(target: TargetModel) -> str:
 
 
 def add_ratios(records: list[dict[str, Any]]) -> None:
-    """``vs_hf`` (÷ HF generate at c=1, same dtype) and ``vs_engine_ar`` (÷ engine plain, eager,
-    same weights, same c)."""
+    """``vs_hf`` (÷ HF generate at c=1 in the same dtype; where the engine's precision is measured
+    (a dtype HF did not run, such as ``bfloat16@1,float32@2+``), ÷ HF's fastest) and ``vs_engine_ar``
+    (÷ engine plain, eager, same weights, same c)."""
     hf = {r["dtype"]: r["tok_s"] for r in records
           if r["system"] == "hf-generate" and r["concurrency"] == 1 and r.get("tok_s")}
     ar = {r["concurrency"]: r["tok_s"] for r in records
@@ -132,7 +133,7 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
     for r in records:
         if not r.get("tok_s"):
             continue
-        base = hf.get(r.get("dtype"))
+        base = hf.get(r.get("dtype"), max(hf.values(), default=None))
         r["vs_hf"] = round(r["tok_s"] / base, 3) if base else None
         base = ar.get(r["concurrency"])
         r["vs_engine_ar"] = round(r["tok_s"] / base, 3) if base else None
@@ -184,7 +185,7 @@ def run_engine_benchmark(
     n_prompts: int,
     concurrency: Sequence[int],
     max_new_tokens: int = 128,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     systems: Sequence[str] = ("hf", "specforge", "vllm"),
     per_dataset: Sequence[str] = (),
     eval_directory: str | None = None,
@@ -196,8 +197,11 @@ def run_engine_benchmark(
     """Every system on the same prompts; ``profile`` (default: measured here, first) is the step
     curve of the ``ngram-hw`` variant.  ``compiled`` also runs every engine variant with the
     compiled target forward (system ``specforge-compiled``), interleaved with the eager one.
-    ``weights="native"`` runs the engine on the GGUF's 4-bit blocks and adds ``fidelity``."""
+    ``weights="native"`` runs the engine on the GGUF's 4-bit blocks and adds ``fidelity``.
+    ``dtype="auto"`` runs the engine in the precision measured on this machine and the peers (HF
+    generate, vLLM) in float32 and in bfloat16 each, so that each is met at its best."""
     target = TargetModel.load("smollm2", dtype, weights=weights)
+    peer_dtypes = ["float32", "bfloat16"] if dtype == "auto" else [dtype]
     trunk = _compiled_trunk(target) if compiled and "specforge" in systems else None
     picked = select_prompts(datasets, n_prompts, directory=eval_directory)
     prompt_ids = _templated(target, picked)
@@ -205,7 +209,7 @@ def run_engine_benchmark(
     if "hf" in systems:
         # HF at concurrency 1 is the baseline every ratio divides by; the engine's own weights
         # are a separate copy, so this measures transformers' generate unchanged.
-        records.extend(bench_hf(prompt_ids, dtypes=[dtype], concurrencies=[1],
+        records.extend(bench_hf(prompt_ids, dtypes=peer_dtypes, concurrencies=[1],
                                 max_new_tokens=max_new_tokens, progress=progress))
     curves = _StepCurves(profile, profile)
     if "specforge" in systems:
@@ -214,8 +218,9 @@ def run_engine_benchmark(
     if "vllm" in systems:
         from specforge.bench.vllm_client import bench_vllm
 
-        records.extend(bench_vllm(prompt_ids, concurrencies=list(concurrency),
-                                  max_new_tokens=max_new_tokens, dtype=dtype, progress=progress))
+        for peer_dtype in peer_dtypes:
+            records.extend(bench_vllm(prompt_ids, concurrencies=list(concurrency),
+                                      max_new_tokens=max_new_tokens, dtype=peer_dtype, progress=progress))
     add_ratios(records)
     by_dataset = {name: _ngram_over_plain(target, select_prompts([name], n_prompts, directory=eval_directory),
                                           max_new_tokens, progress) for name in per_dataset}
@@ -223,6 +228,8 @@ def run_engine_benchmark(
     return {
         "model": "SmolLM2-135M-Instruct",
         "dtype": dtype,
+        "machine": machine(),
+        "precision": target.precision.to_dict(),
         "weights": weights,
         "fidelity": fidelity,
         "max_new_tokens": max_new_tokens,
@@ -230,7 +237,7 @@ def run_engine_benchmark(
         "prompts": [p.to_dict() for p in picked],
         "records": records,
         "per_dataset_ngram": by_dataset,
-        "compiled": None if not compiled else (trunk is not None and trunk.failed is None),
+        "compiled": None if not compiled else (trunk is not None and all(t.failed is None for t in trunk.values())),
         "hardware_profile": None if curves.eager is None else curves.eager.to_dict(),
         "profile_timings": curves.eager_timings,
         "hardware_profile_compiled": None if curves.compiled_timings is None else curves.compiled.to_dict(),
@@ -246,19 +253,19 @@ def _compiled_trunk(target: TargetModel):
     """One compiled trunk for the whole run (None where torch.compile is unavailable), switched on
     and off per measurement with :func:`_compiled`, so its graphs are compiled once (during the
     first warm-ups)."""
-    trunk = target.runtime.compiled if target.runtime.compile() else None
-    target.runtime.compile(False)
-    return trunk
+    trunks = target.trunks if target.compile() else None
+    target.compile(False)
+    return trunks
 
 
 @contextmanager
 def _compiled(target: TargetModel, trunk) -> Iterator[None]:
     """Run the target's compiled forward inside the block, the eager one again after it."""
-    target.runtime.compiled = trunk
+    target.use_trunks(trunk)
     try:
         yield
     finally:
-        target.runtime.compiled = None
+        target.use_trunks(None)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from specforge.bench.machine import machine
+from specforge.machine import machine
 from specforge.config import EngineConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest
 from specforge.evalsets import apply_chat_template, select_prompts
@@ -136,7 +136,7 @@ def run_round_benchmark(sources: Sequence[str] = ("dspark",), overrides: Sequenc
         for g in gammas:
             progress(f"c={c} γ={g} …")
             rows.append(measure_setting(sources, overrides, target, ids[:c], g, max_new_tokens, repeats))
-    return {"machine": machine(), "pipeline": base.to_dict(), "datasets": list(datasets),
+    return {"machine": machine(), "precision": target.precision.to_dict(), "pipeline": base.to_dict(), "datasets": list(datasets),
             "max_new_tokens": max_new_tokens, "repeats": repeats, "seconds": time.perf_counter() - started,
             "rows": rows}
 

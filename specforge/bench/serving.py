@@ -38,7 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from specforge.bench.machine import machine
+from specforge.machine import machine
 from specforge.errors import SpecforgeError
 from specforge.files import write_atomic
 
@@ -257,7 +257,7 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     settings = {"arms": list(arms), "drafter": list(drafter), "datasets": list(datasets), "per_set": per_set,
                 "sharegpt": sharegpt, "max_new_tokens": max_new_tokens, "requests_per_slot": requests_per_slot,
                 "vllm": vllm, "cpu": m["cpu"], "torch_threads": m["torch_threads"],
-                "kv_dtype": dtype_name(target.runtime.cache_dtype())}
+                "kv_dtype": dtype_name(target.runtime.cache_dtype()), "precision": target.precision_label}
     records: list[dict[str, Any]] = []
     vllm_status: dict[str, str] = {}
     done: list[int] = []

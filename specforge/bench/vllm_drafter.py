@@ -109,7 +109,7 @@ def run_vllm_drafter(drafter_dir: str | Path, settings: VllmDrafterSettings, out
                      progress: bool = True) -> dict[str, Any]:
     """Export ``drafter_dir`` for vLLM under ``out``, decode with both systems, check (a)–(c)."""
     from specforge.acceptance import AcceptanceCounts, tau
-    from specforge.bench.machine import machine
+    from specforge.machine import machine
     from specforge.bench.vllm_client import bench_vllm, find_vllm_python, vllm_version
     from specforge.config import EngineConfig
     from specforge.engine import Engine

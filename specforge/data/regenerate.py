@@ -35,7 +35,6 @@ from typing import Any
 from specforge.errors import SpecforgeError
 from specforge.data.chat import Conversation, normalize_message
 from specforge.files import remove_leftovers, write_atomic
-from specforge.target.adapter import dtype_name
 
 __all__ = [
     "MANIFEST",
@@ -484,7 +483,7 @@ def _header(conversations: Sequence[Conversation], source: str, engine: Any, sam
     return {
         "format": FORMAT,
         "source": {"name": source, "count": len(conversations), "sha256": _fingerprint(conversations)},
-        "target": {"name": str(target.name), "dtype": dtype_name(target.dtype)},
+        "target": {"name": str(target.name), "dtype": target.precision_label},
         "decoder": _decoder_name(engine),
         "context_limit": int(engine.context_limit),
         "sampling": sampling,

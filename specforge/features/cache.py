@@ -296,7 +296,7 @@ def _plan(target: Any, pairs: Sequence[tuple[Tensor, Tensor]], layer_ids: list[i
     return CacheManifest(
         target_name=target.name, target_fingerprint=fingerprint, target_args=asdict(args),
         num_target_layers=args.n_layers, layer_ids=layer_ids, hidden_size=args.dim,
-        feature_dtype=dtype_name(dtype), compute_dtype=dtype_name(target.dtype),
+        feature_dtype=dtype_name(dtype), compute_dtype=target.precision_label,
         sequences_per_shard=sequences_per_shard, num_sequences=len(pairs),
         num_tokens=sum(len(p[0]) for p in pairs), shards=shards,
     )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,10 +14,20 @@ from specforge.target.batch import VarlenBatch
 from specforge.target.cache import KVCache
 from specforge.target.kv_dtype import KV_DTYPES
 from specforge.target.loading import load_hf, resolve_model
+from specforge.machine import machine_key
 from specforge.target.model import ForwardOutput, Transformer
+from specforge.target.precision import (
+    DTYPE,
+    PrecisionError,
+    PrecisionPlan,
+    method_key,
+    precision_candidates,
+    require_float16,
+    resolve_precision,
+)
 from specforge.target.quantized import NativeWeightsError, require_bfloat16, use_native_weights
 
-__all__ = ["DTYPES", "TargetModel", "dtype_name"]
+__all__ = ["DTYPES", "TargetModel", "build_runtime", "dtype_name"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,27 +37,50 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def build_runtime(args: ModelArgs, hf_model: Any, precision: str, gguf: Path | None = None) -> Transformer:
+    """The runtime transformer of ``hf_model`` in ``precision`` (``q4``: bf16 with the GGUF
+    ``gguf``'s 4-bit blocks as its projections; :class:`NativeWeightsError` where none can be)."""
+    with torch.no_grad():
+        runtime = Transformer(args, hf_model, DTYPE[precision]).eval()
+        if precision == "q4":
+            if gguf is None:
+                raise NativeWeightsError("q4 runs a GGUF's own 4-bit blocks; this target is not a GGUF")
+            runtime.native_counts = use_native_weights(runtime, hf_model, gguf)
+            if runtime.native_counts["native"] == 0:
+                raise NativeWeightsError(f"{gguf.name}: no projection is stored as Q4_0/Q4_1 with a row count the "
+                                         "int4 kernel packs (a multiple of 16)")
+    return runtime
+
+
 class TargetModel:
     """A Hugging Face causal LM behind the specforge runtime.
 
-    ``runtime`` is the fast flattened-batch transformer; ``hf_model`` (kept in float32) is the
-    unchanged Hugging Face model, the oracle tests compare against.
+    ``runtime`` is the fast flattened-batch transformer in the primary precision; ``runtimes``
+    holds one per precision the plan uses (:mod:`.precision`: ``target.dtype: auto`` may run
+    one-row passes in bf16 and bigger ones in float32), and :meth:`forward` sends each pass to its
+    band's.  ``hf_model`` (kept in float32) is the unchanged Hugging Face model, the oracle tests
+    compare against.
     """
 
     def __init__(self, hf_model: Any, tokenizer: Any = None, dtype: torch.dtype = torch.float32,
-                 name: str = "model") -> None:
+                 name: str = "model", precision: PrecisionPlan | None = None,
+                 runtimes: Mapping[str, Transformer] | None = None, gguf: Path | None = None) -> None:
         self.name = name
         self.args = ModelArgs.from_hf_config(hf_model.config)
-        self.dtype = dtype
         self.hf_model = hf_model
         self.tokenizer = tokenizer
-        # no_grad, not inference_mode: drafters train through the shared embedding and LM head,
-        # and autograd refuses to save inference tensors for backward.
-        with torch.no_grad():
-            self.runtime = Transformer(self.args, hf_model, dtype).eval()
-        self.eos_ids = self._eos_ids(hf_model, tokenizer)
+        self.precision = precision or PrecisionPlan.fixed(dtype_name(dtype))
         # projections running natively on 4-bit blocks vs dense (see load(weights="native"))
         self.weights = {"native": 0, "dense": 4 * self.args.n_layers + 1}  # + the LM head
+        built = dict(runtimes or {})
+        self.runtimes: dict[str, Transformer] = {}
+        for p in self.precision.precisions:
+            self.runtimes[p] = built.get(p) or build_runtime(self.args, hf_model, p, gguf)
+            if p == "q4":
+                self.weights = self.runtimes[p].native_counts
+        self.runtime = self.runtimes[self.precision.primary]
+        self.dtype = self.runtime.dtype
+        self.eos_ids = self._eos_ids(hf_model, tokenizer)
 
     @classmethod
     def from_config(cls, config: Any) -> TargetModel:
@@ -54,32 +88,80 @@ class TargetModel:
         return cls.load(config.model, config.dtype, config.compile, config.weights, config.kv_dtype)
 
     @classmethod
-    def load(cls, model: str = "smollm2", dtype: str | torch.dtype = "bfloat16",
-             compile: bool = False, weights: str = "dense", kv_dtype: str = "auto") -> TargetModel:
-        """Load the embedded default, an HF directory or a GGUF file (see :mod:`.loading`);
-        ``compile`` turns on the compiled forward (:meth:`Transformer.compile`); ``weights="native"``
-        runs a GGUF's 4-bit blocks as stored (:mod:`.quantized`); ``kv_dtype`` is the KV cache's
-        dtype (:mod:`.kv_dtype`: ``"auto"`` measures this CPU)."""
-        dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-        if kv_dtype not in KV_DTYPES:  # refused before the (slow) load
+    def load(cls, model: str = "smollm2", dtype: str | torch.dtype = "auto",
+             compile: bool = False, weights: str = "auto", kv_dtype: str = "auto",
+             log: Any = None) -> TargetModel:
+        """Load the embedded default, an HF directory or a GGUF file (see :mod:`.loading`).
+
+        ``dtype`` is a precision (``float32``, ``bfloat16``, ``float16``) or ``"auto"``: measured
+        on this machine per pass size, once, cached (:mod:`.precision`).  ``weights="native"``
+        runs a GGUF's 4-bit blocks as stored (:mod:`.quantized`; bf16 activations), ``"auto"`` lets
+        ``dtype: auto`` try them; ``compile`` turns on the compiled forward
+        (:meth:`Transformer.compile`); ``kv_dtype`` is the KV cache's dtype (:mod:`.kv_dtype`)."""
+        dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
+        # Everything that can be refused is refused before the (slow) load.
+        if dtype != "auto" and dtype not in DTYPES:
+            raise PrecisionError(f"dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
+        if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
-        if weights not in ("dense", "native"):
-            raise ValueError(f"weights must be 'dense' or 'native', not {weights!r}")
-        if weights == "native":  # refused before the (slow) load when it cannot work
-            directory, gguf = resolve_model(model)
+        if weights not in ("auto", "dense", "native"):
+            raise ValueError(f"weights must be 'auto', 'dense' or 'native', not {weights!r}")
+        directory, gguf_file = resolve_model(model)
+        gguf = directory / gguf_file if gguf_file else None
+        if weights == "native":
             if gguf is None:
                 raise NativeWeightsError(f"{model}: native weights are a GGUF's own 4-bit blocks; "
                                          "this target is a safetensors directory (use weights=dense)")
-            require_bfloat16(dtype)
+            if dtype != "auto":
+                require_bfloat16(DTYPES[dtype])
+        if dtype == "float16":
+            require_float16()
         hf_model, tokenizer = load_hf(model, torch.float32)
-        target = cls(hf_model, tokenizer, dtype, name=model)
-        target.runtime.kv_dtype = kv_dtype
-        if weights == "native":
-            with torch.no_grad():
-                target.weights = use_native_weights(target.runtime, hf_model, directory / gguf)
+        args = ModelArgs.from_hf_config(hf_model.config)
+        built: dict[str, Transformer] = {}
+
+        def build(precision: str) -> Transformer:
+            if precision not in built:
+                runtime = build_runtime(args, hf_model, precision, gguf)
+                runtime.kv_dtype = kv_dtype
+                built[precision] = runtime
+            return built[precision]
+
+        if dtype != "auto":
+            plan = PrecisionPlan.fixed("q4" if weights == "native" else dtype)
+        elif weights == "native":
+            plan = PrecisionPlan.fixed("q4")
+        else:
+            candidates, skipped = precision_candidates(gguf if weights == "auto" else None)
+            key = machine_key(kind="precision", target=model, candidates=candidates, kv_dtype=kv_dtype,
+                              method=method_key())
+            plan = resolve_precision(model, build, candidates, skipped, key, log=log)
+        target = cls(hf_model, tokenizer, name=model, precision=plan,
+                     runtimes={p: build(p) for p in plan.precisions}, gguf=gguf)
         if compile:
-            target.runtime.compile()
+            target.compile()
         return target
+
+    def compile(self, enabled: bool = True) -> bool:
+        """Run every runtime's passes through its compiled trunk (``False``: eager again); whether
+        all of them are compiled (:meth:`Transformer.compile`)."""
+        return all([runtime.compile(enabled) for runtime in self.runtimes.values()])
+
+    @property
+    def trunks(self) -> dict[str, Any]:
+        """Each runtime's compiled trunk (None: eager), to switch back on with :meth:`use_trunks`."""
+        return {p: runtime.compiled for p, runtime in self.runtimes.items()}
+
+    def use_trunks(self, trunks: Mapping[str, Any] | None) -> None:
+        """Switch to trunks from :attr:`trunks` (compiled once, kept), or eager with ``None``."""
+        for p, runtime in self.runtimes.items():
+            runtime.compiled = (trunks or {}).get(p)
+
+    @property
+    def precision_label(self) -> str:
+        """The precision every pass runs in (``bfloat16``), or the plan's bands
+        (``bfloat16@1,float32@2+``): what profiles, manifests and benchmark records name."""
+        return self.precision.label
 
     @staticmethod
     def _eos_ids(hf_model: Any, tokenizer: Any) -> frozenset[int]:
@@ -124,12 +206,22 @@ class TargetModel:
     # -- compute ---------------------------------------------------------------------------------
 
     def new_cache(self, slots: int, capacity: int) -> KVCache:
+        """A cache every runtime of the plan reads (in the primary runtime's KV dtype; a pass in
+        another precision casts its q/k/v to it)."""
         return self.runtime.new_cache(slots, capacity)
 
     @torch.inference_mode()
     def forward(self, batch: VarlenBatch, cache: KVCache, logits_rows: Tensor | None = None,
                 taps: tuple[int, ...] = ()) -> ForwardOutput:
-        return self.runtime(batch, cache, logits_rows, taps)
+        """One pass in the precision of its band; hidden states come back in the primary one."""
+        if len(self.runtimes) == 1:
+            return self.runtime(batch, cache, logits_rows, taps)
+        runtime = self.runtimes[self.precision.precision_for(batch.num_tokens)]
+        out = runtime(batch, cache, logits_rows, taps)
+        if runtime.dtype == self.dtype:
+            return out
+        return ForwardOutput(out.logits, out.hidden.to(self.dtype),
+                             {layer: t.to(self.dtype) for layer, t in out.taps.items()})
 
     @torch.inference_mode()
     def reference_logits(self, ids: Sequence[int]) -> Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["VarlenBatch"]
+__all__ = ["VarlenBatch", "split_tokens"]
 
 
 @dataclass(frozen=True)
@@ -106,3 +106,11 @@ def _tree_layout(parents: Sequence[Sequence[int]], lengths: list[int]) -> tuple[
         depth += d_own
         bits += [b - (1 << 64) if b >= 1 << 63 else b for b in b_own]  # as signed int64
     return torch.tensor(depth, dtype=torch.long), torch.tensor(bits, dtype=torch.int64)
+
+
+def split_tokens(batch: int, requests: int) -> list[int]:
+    """``batch`` new tokens over min(batch, requests) requests, as evenly as possible."""
+    if batch < 1 or requests < 1:
+        raise ValueError(f"batch and requests must be positive (got {batch}, {requests})")
+    r = min(batch, requests)
+    return [batch // r + (1 if i < batch % r else 0) for i in range(r)]

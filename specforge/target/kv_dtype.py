@@ -17,7 +17,6 @@ docs: docs/engine.md#kv-cache-dtype
 
 from __future__ import annotations
 
-import time
 from functools import lru_cache
 from typing import get_args
 
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specforge.config import KVDtype
+from specforge.target.timing import interleaved_seconds
 
 __all__ = ["KV_DTYPES", "KVDtype", "decode_attention_seconds", "resolve_kv_dtype"]
 
@@ -39,22 +39,15 @@ _KEYS = 1024  # a typical decode context (ShareGPT first turns run 100-2,000 tok
 def decode_attention_seconds(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                              keys: int = _KEYS, reps: int = 12) -> dict[torch.dtype, float]:
     """Seconds of one decode row's SDPA over ``keys`` cached keys in ``dtype`` and in float32,
-    timed interleaved (the mean of each one's fastest quarter: on shared cores a neighbour only
-    ever adds time)."""
+    timed interleaved (:func:`~specforge.target.timing.interleaved_seconds`)."""
     gen = torch.Generator().manual_seed(0)
     base = {name: torch.randn(shape, generator=gen) for name, shape in
             (("q", (1, heads, 1, head_dim)), ("k", (1, kv_heads, keys, head_dim)), ("v", (1, kv_heads, keys, head_dim)))}
     arms = {dt: {n: t.to(dt) for n, t in base.items()} for dt in dict.fromkeys((dtype, torch.float32))}
     gqa = heads != kv_heads
-    times: dict[torch.dtype, list[float]] = {dt: [] for dt in arms}
-    for i in range(reps + 2):
-        for dt, t in arms.items():
-            start = time.perf_counter()
-            F.scaled_dot_product_attention(t["q"], t["k"], t["v"], enable_gqa=gqa)
-            if i >= 2:  # two warm-up calls each
-                times[dt].append(time.perf_counter() - start)
-    fast = {dt: sorted(ts)[: max(1, len(ts) // 4)] for dt, ts in times.items()}
-    return {dt: sum(ts) / len(ts) for dt, ts in fast.items()}
+    return interleaved_seconds(
+        {dt: (lambda t=t: F.scaled_dot_product_attention(t["q"], t["k"], t["v"], enable_gqa=gqa)) for dt, t in arms.items()},
+        reps)
 
 
 @lru_cache(maxsize=None)

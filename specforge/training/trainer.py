@@ -64,6 +64,21 @@ def lr_at(step: int, config: TrainConfig, total: int) -> float:
     return s.min_lr + 0.5 * (o.lr - s.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def _autocast_bf16(dtype: str, device: torch.device, target: Any) -> bool:
+    """Whether the drafter's forward runs under bf16 autocast.  ``auto``: on CUDA yes; on a CPU
+    what the target's measured precision runs its prompt-sized (compute-bound) passes in — bf16
+    where this CPU multiplies it fastest (AMX), float32 where bf16 is emulated (AVX2: ~5x slower)
+    — and float32 where the target's precision was set by hand (docs/engine.md#precision)."""
+    if dtype != "auto":
+        return dtype == "bfloat16"
+    if device.type == "cuda":
+        return True
+    from specforge.target.precision import DTYPE, PREFILL_ROWS
+
+    plan = getattr(target, "precision", None)
+    return bool(plan is not None and plan.measured and DTYPE[plan.precision_for(PREFILL_ROWS)] == torch.bfloat16)
+
+
 class Trainer:
     """Build from a :class:`TrainConfig` (plus, optionally, a ready target and feature source)."""
 
@@ -101,7 +116,7 @@ class Trainer:
         method_cls, options = c.training_method()
         self.method: DraftTraining = method_cls(options, self.target, dev)
         self.needs = self.method.needs()
-        self.bf16 = c.dtype == "bfloat16" or (c.dtype == "auto" and dev.type == "cuda")
+        self.bf16 = _autocast_bf16(c.dtype, dev, self.target)
         self.lm_head = self.target.runtime.lm_head.to(dev)  # p_t: the target's own law, frozen
 
     def _prepare_method(self) -> None:

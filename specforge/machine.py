@@ -1,0 +1,74 @@
+"""What machine this is: every benchmark records it beside its numbers, and every measured choice
+(the step curve, the target's precision, the KV cache's dtype) is cached under a key made from it.
+
+bf16 matmuls and attention behave differently on a Xeon with AMX, an EPYC with AVX512-BF16 and no
+AMX, and an EPYC with AVX2 only (there a bf16 linear runs ~5x slower than float32), so a number
+without the CPU it was measured on cannot be compared with another.  ``cpu_capability`` is what
+torch's kernels actually dispatch to: ``ATEN_CPU_CAPABILITY=avx2`` lowers it on a bigger CPU, and a
+choice measured under it is keyed apart from one measured without.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["machine", "machine_key", "native_float16"]
+
+_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
+
+
+@lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    model, flags = platform.processor() or platform.machine(), frozenset()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = frozenset(value.split())
+    return model, flags
+
+
+def _capability() -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):  # an old torch
+        return "unknown"
+
+
+def machine() -> dict[str, Any]:
+    """CPU model (as ``lscpu`` names it), the bf16/fp16-relevant CPU flags, the capability torch's
+    kernels run at, the oneDNN ISA cap if one is set, cores, threads and torch."""
+    model, flags = _cpuinfo()
+    record = {"cpu": model, "flags": [f for f in _FLAGS if f in flags], "cpu_capability": _capability(),
+              "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        record["onednn_max_cpu_isa"] = os.environ["ONEDNN_MAX_CPU_ISA"]
+    return record
+
+
+def machine_key(**what: Any) -> str:
+    """A short hash of ``what`` together with this machine (CPU, flags, capability, threads,
+    torch): the cache key of a choice measured here."""
+    m = machine()
+    key = {**what, "cpu": m["cpu"], "flags": m["flags"], "capability": m["cpu_capability"],
+           "isa": m.get("onednn_max_cpu_isa", ""), "threads": m["torch_threads"], "torch": m["torch"]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def native_float16() -> bool:
+    """Whether this CPU does float16 arithmetic natively (AVX512-FP16 or AMX-FP16, and torch's
+    kernels dispatching at AVX-512).  Elsewhere torch computes float16 by widening every value,
+    which is never faster than float32 and rounds like a narrower type."""
+    _, flags = _cpuinfo()
+    return _capability().upper().startswith("AVX512") and bool({"avx512_fp16", "amx_fp16"} & flags)

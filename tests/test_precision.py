@@ -1,0 +1,243 @@
+"""``target.dtype: auto``: the target's precision per pass size, measured once per machine and cached.
+
+The choice itself depends on this machine's speed, so the tests that check *which* precision is
+picked feed the measurement fixed timings (a fake clock), and the tests of what runs check
+behaviour (which runtime a pass reaches, parity with HF generate) — never wall-clock time.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specforge.config import TargetConfig
+from specforge.target import TargetModel, VarlenBatch
+from specforge.target import precision as precision_mod
+from specforge.target.precision import PrecisionError, PrecisionPlan, precision_candidates
+from tiny_models import save_tiny
+
+VOCAB = 96
+
+
+@pytest.fixture()
+def tiny_dir(tmp_path):
+    return save_tiny("llama", tmp_path / "tiny", seed=3, eos=None)
+
+
+@pytest.fixture()
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def fake_clock(monkeypatch, fastest) -> list[int]:
+    """Replace the timing with a clock where ``fastest(rows)`` names the fastest precision at a pass
+    of ``rows`` rows (2x ahead of every other); returns the list of row counts timed."""
+    timed = []
+
+    def seconds(arms, rows, reps):
+        timed.append(rows)
+        for arm in arms.values():
+            arm()  # the passes still run: a broken one must fail here
+        return {p: (1.0 if p == fastest(rows) else 2.0) for p in arms}
+
+    monkeypatch.setattr(precision_mod, "_time_passes", seconds)
+    return timed
+
+
+def test_auto_picks_per_pass_size_and_runs_each_pass_in_its_band(tiny_dir, cache_dir, monkeypatch):
+    fake_clock(monkeypatch, lambda rows: "bfloat16" if rows <= 2 else "float32")
+    lines = []
+    target = TargetModel.load(str(tiny_dir), "auto", log=lines.append)
+    plan = target.precision
+    assert plan.bands == ((1, "bfloat16"), (3, "float32")) and plan.measured
+    assert plan.primary == "float32" and target.dtype == torch.float32
+    assert set(target.runtimes) == {"bfloat16", "float32"} and target.runtime is target.runtimes["float32"]
+    assert target.precision_label == "bfloat16@1-2,float32@3+"
+    # one log line says what was picked and why, and what was not tried
+    assert any(line.startswith("target precision (auto") and "bfloat16 for passes of 1-2 rows" in line
+               and "float16 not tried" in line for line in lines), lines
+    # each pass reaches the runtime of its band; hidden states come back in the primary dtype
+    reached = []
+    for p, runtime in target.runtimes.items():
+        forward = runtime.forward
+        monkeypatch.setattr(runtime, "forward", lambda *a, p=p, f=forward, **k: reached.append(p) or f(*a, **k))
+    cache = target.new_cache(1, 32)
+    out = target.forward(VarlenBatch.build([[1, 2]], [0], [0]), cache, torch.tensor([1]), taps=(0,))
+    assert reached == ["bfloat16"] and out.hidden.dtype == torch.float32 and out.taps[0].dtype == torch.float32
+    target.forward(VarlenBatch.build([[3, 4, 5, 6]], [0], [2]), cache, torch.tensor([3]))
+    assert reached == ["bfloat16", "float32"]
+
+
+def test_auto_is_measured_once_then_read_and_measured_again_when_the_key_changes(tiny_dir, cache_dir, monkeypatch):
+    timed = fake_clock(monkeypatch, lambda rows: "float32")
+    first = TargetModel.load(str(tiny_dir), "auto")
+    n = len(timed)
+    assert n > 0 and first.precision.bands == ((1, "float32"),)
+    files = list((cache_dir / "profiles").glob("tiny-precision-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["label"] == "float32"
+    lines = []
+    again = TargetModel.load(str(tiny_dir), "auto", log=lines.append)
+    assert len(timed) == n and again.precision == first.precision  # read, not measured
+    assert "[cached:" in lines[0]
+    # another torch version (or CPU, thread count, KV-cache setting): another key, measured again
+    from specforge import machine as machine_mod
+
+    real = machine_mod.machine
+    monkeypatch.setattr(machine_mod, "machine", lambda: {**real(), "torch": "0.0-other"})
+    TargetModel.load(str(tiny_dir), "auto")
+    assert len(timed) > n and len(list((cache_dir / "profiles").glob("tiny-precision-*.json"))) == 2
+    # a damaged cache file is measured again, with a warning
+    files[0].write_text("{ not json")
+    monkeypatch.setattr(machine_mod, "machine", real)
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        TargetModel.load(str(tiny_dir), "auto")
+
+
+def test_an_explicit_dtype_is_honoured_and_measures_nothing(tiny_dir, cache_dir, monkeypatch):
+    timed = fake_clock(monkeypatch, lambda rows: "bfloat16")
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        target = TargetModel.load(str(tiny_dir), name)
+        assert target.precision == PrecisionPlan.fixed(name) and not target.precision.measured
+        assert target.dtype == dtype and list(target.runtimes) == [name]
+    assert timed == [] and not (cache_dir / "profiles").exists()
+
+
+def test_a_candidate_whose_logits_drift_is_refused_with_its_reason(tiny_dir, cache_dir, monkeypatch):
+    fake_clock(monkeypatch, lambda rows: "bfloat16")
+    monkeypatch.setattr(precision_mod, "MAX_KL", 0.0)  # bf16 rounding alone now counts as drift
+    target = TargetModel.load(str(tiny_dir), "auto")
+    assert target.precision.bands == ((1, "float32"),)
+    assert "bfloat16" in target.precision.skipped and "KL" in target.precision.skipped["bfloat16"]
+
+
+def test_float16_is_tried_only_where_the_cpu_has_it_and_refused_by_name_elsewhere(tiny_dir, monkeypatch):
+    from specforge import machine as machine_mod
+
+    monkeypatch.setattr(machine_mod, "native_float16", lambda: False)
+    candidates, skipped = precision_candidates(None)
+    assert "float16" not in candidates and "no native float16" in skipped["float16"]
+    with pytest.raises(PrecisionError, match="no native float16 arithmetic.*use auto, bfloat16 or float32"):
+        TargetModel.load(str(tiny_dir), "float16")
+    monkeypatch.setattr(machine_mod, "native_float16", lambda: True)
+    candidates, skipped = precision_candidates(None)
+    assert "float16" in candidates and "float16" not in skipped
+    assert TargetModel.load(str(tiny_dir), "float16").dtype == torch.float16
+
+
+def test_native_float16_reads_the_flags_and_what_torch_dispatches_to(monkeypatch):
+    from specforge import machine as machine_mod
+
+    monkeypatch.setattr(machine_mod, "_cpuinfo", lambda: ("cpu", frozenset({"avx2", "avx512f", "avx512_fp16"})))
+    monkeypatch.setattr(machine_mod, "_capability", lambda: "AVX512")
+    assert machine_mod.native_float16()
+    monkeypatch.setattr(machine_mod, "_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
+    assert not machine_mod.native_float16()
+    monkeypatch.setattr(machine_mod, "_cpuinfo", lambda: ("cpu", frozenset({"avx2"})))
+    assert not machine_mod.native_float16()
+
+
+def test_q4_is_tried_on_a_gguf_and_skipped_with_its_reason_where_the_weights_do_not_allow(tmp_path, monkeypatch):
+    # The tiny GGUFs carry no config for transformers' reader, so the runtimes are built from the
+    # HF twin and the file, as TargetModel.load builds them.
+    import gguf
+
+    from specforge.target.adapter import build_runtime
+    from specforge.target.args import ModelArgs
+    from specforge.target.quantized import NativeWeightsError
+    from test_quantized import _write_gguf
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, model, {})
+    args = ModelArgs.from_hf_config(model.config)
+    fake_clock(monkeypatch, lambda rows: "q4" if rows <= 4 else "float32")
+    plan = precision_mod.measure_precision(lambda p: build_runtime(args, model, p, path),
+                                           ("float32", "bfloat16", "q4"), progress=False)
+    assert plan.bands == ((1, "q4"), (5, "float32")) and not plan.skipped
+    target = TargetModel(model, None, precision=plan, gguf=path)
+    assert set(target.runtimes) == {"q4", "float32"} and target.weights["native"] > 0
+    # a file whose projections are not 4-bit blocks: auto says why and goes on without q4
+    other = tiny_model("llama", seed=1)
+    plain = tmp_path / "f32.gguf"
+    _write_gguf(plain, other, {k: gguf.GGMLQuantizationType.F32 for k in (
+        "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}, head=None)
+    plan = precision_mod.measure_precision(lambda p: build_runtime(args, other, p, plain),
+                                           ("float32", "bfloat16", "q4"), progress=False)
+    assert "q4" not in plan.precisions and "Q4_0/Q4_1" in plan.skipped["q4"]
+    # asked for explicitly, it is one clear error; so is q4 with float32 activations (before any load)
+    with pytest.raises(NativeWeightsError, match="Q4_0/Q4_1"):
+        build_runtime(args, other, "q4", plain)
+    with pytest.raises(NativeWeightsError, match="dtype=bfloat16"):
+        TargetModel.load(str(path), "float32", weights="native")
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_greedy_parity_with_hf_generate_in_the_same_dtype(tiny_dir, precision):
+    from specforge.config import EngineConfig, SamplingConfig
+    from specforge.engine import Engine, GenerationRequest
+    from specforge.plugins import PluginHost
+
+    target = TargetModel.load(str(tiny_dir), precision)
+    host = PluginHost(autoload=False).load()
+    prompts = [[4, 5, 17, 40, 3], [7, 9, 9, 22, 61, 9]]  # no 0: HF generate masks the pad id
+    engine = Engine(target, host.create_verifier("greedy"), sampling=SamplingConfig(temperature=0.0),
+                    engine=EngineConfig(max_batch=2, max_context=64))
+    outs = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=12, ignore_eos=True) for p in prompts])
+    hf = target.hf_model.to(getattr(torch, precision))
+    try:
+        for prompt, out in zip(prompts, outs, strict=True):
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+            ref_ids = ref[0, len(prompt):].tolist()
+            parted = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref_ids)) if a != b), None)
+            if parted is not None:  # only at a near tie, where two kernels' roundings may disagree
+                assert precision != "float32", (out.token_ids, ref_ids)
+                logits = hf(torch.tensor([prompt + ref_ids[:parted]])).logits[0, -1].float()
+                top = logits.topk(2).values
+                assert (top[0] - top[1]).item() <= 2 ** -6 * logits.abs().max().item(), (parted, top)
+    finally:
+        target.hf_model.float()
+
+
+def test_a_band_plan_decodes_greedily_like_its_bands_say(tiny_dir, cache_dir, monkeypatch):
+    """Plain decoding (one-row passes) in the bf16 band, prefills in float32: every token is the
+    argmax of the pass that produced it, in that pass's precision."""
+    fake_clock(monkeypatch, lambda rows: "bfloat16" if rows == 1 else "float32")
+    target = TargetModel.load(str(tiny_dir), "auto")
+    assert target.precision.bands == ((1, "bfloat16"), (2, "float32"))
+    bf16 = TargetModel.load(str(tiny_dir), "bfloat16")
+    ids, cache = [0, 5, 17, 40, 3], target.new_cache(1, 64)
+    ref_cache = bf16.new_cache(1, 64)
+    # the prompt: a float32 pass; then one-row passes, which must match the bf16 target's steps
+    out = target.forward(VarlenBatch.build([ids], [0], [0]), cache, torch.tensor([len(ids) - 1]))
+    ref = bf16.forward(VarlenBatch.build([ids], [0], [0]), ref_cache, torch.tensor([len(ids) - 1]))
+    token = int(out.logits[0].argmax())
+    for step in range(6):
+        pos = len(ids) + step
+        out = target.forward(VarlenBatch.build([[token]], [0], [pos]), cache, torch.tensor([0]))
+        ref = bf16.forward(VarlenBatch.build([[token]], [0], [pos]), ref_cache, torch.tensor([0]))
+        # same weights and dtype for the step; the caches differ by the prompt's precision only
+        assert torch.allclose(out.logits, ref.logits, atol=0.1 * ref.logits.abs().max().item())
+        token = int(out.logits[0].argmax())
+
+
+def test_the_config_defaults_to_auto_and_names_the_choices():
+    assert TargetConfig().dtype == "auto" and TargetConfig().weights == "auto"
+    with pytest.raises(ValueError, match="dtype"):
+        TargetConfig(dtype="int8")
+
+
+def test_a_plan_round_trips_and_bad_bands_are_refused():
+    plan = PrecisionPlan(((1, "q4"), (9, "float32")), {"q4": {1: 0.01}}, {"float16": "no"}, measured=True)
+    assert PrecisionPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    assert plan.precision_for(8) == "q4" and plan.precision_for(9) == "float32" and plan.primary == "float32"
+    assert plan.precisions == ("float32", "q4")
+    with pytest.raises(PrecisionError, match="start at 1"):
+        PrecisionPlan(((2, "float32"),))
+    with pytest.raises(PrecisionError, match="increasing"):
+        PrecisionPlan(((1, "float32"), (1, "bfloat16")))
+    with pytest.raises(PrecisionError, match="unknown precision 'int8'"):
+        PrecisionPlan(((1, "int8"),))
