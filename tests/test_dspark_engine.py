@@ -17,13 +17,12 @@ from specforge.target import TargetModel, VarlenBatch
 from specforge_plugins.drafters.block.checkpoint import save_drafter
 from specforge_plugins.drafters.dspark import DSparkConfig, DSparkDrafter
 from tiny_models import tiny_model
+from tolerances import order_tolerance
 
 VOCAB = 96
 HEADS = ("none", "markov", "gated", "rnn")
 CONFIDENCES = ("dspark-head", "entropy")
 PROMPTS = ([5], [5, 6, 7], [9, 3, 9, 3, 9], [11, 12, 13, 14, 15, 16, 17])
-# fp32 taps of an incremental (cached) pass vs one full prefill: same maths, other matmul shapes.
-FEATURE_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +114,7 @@ def test_features_are_the_targets_taps_of_exactly_the_committed_positions(target
             # Everything handed over so far is exactly the committed tokens before the anchor.
             seen = torch.cat([p for p, _ in got[rid]])
             assert torch.equal(seen, torch.arange(len(ctx.histories[r]) - 1))
-    worst = 0.0
+    worst, tolerance = 0.0, 0.0
     for rid, out in enumerate(outs):
         ids = [*out.prompt_ids, *out.token_ids]
         cache = target.new_cache(1, 96)
@@ -124,7 +123,12 @@ def test_features_are_the_targets_taps_of_exactly_the_committed_positions(target
         states = torch.cat([s for _, s in got[rid]])
         worst = max(worst, float((states[:, 0] - ref[2][pos]).abs().max()),
                     float((states[:, 1] - ref[0][pos]).abs().max()))
-    assert worst <= FEATURE_TOL, worst
+        # fp32 taps of incremental (cached) passes vs one full prefill: the same maths over other
+        # matmul shapes, so they differ by rounding alone (a wrong position would differ by O(1))
+        scale = max(float(ref[2][pos].abs().max()), float(ref[0][pos].abs().max()))
+        tolerance = max(tolerance, order_tolerance(torch.float32, target.args.intermediate_size, scale,
+                                                   depth=target.args.n_layers))
+    assert worst <= tolerance, (worst, tolerance)
     assert (engine.plain_rounds > 0) == (scheduler is GATED)
 
 
