@@ -41,7 +41,7 @@ def fake_clock(monkeypatch, fastest) -> list[int]:
         timed.append(rows)
         for arm in arms.values():
             arm()  # the passes still run: a broken one must fail here
-        return {p: (1.0 if p == fastest(rows) else 2.0) for p in arms}
+        return {a: (1.0 if a.split("/")[0] == fastest(rows) else 2.0) for a in arms}
 
     monkeypatch.setattr(precision_mod, "_time_passes", seconds)
     return timed
@@ -96,13 +96,39 @@ def test_auto_is_measured_once_then_read_and_measured_again_when_the_key_changes
         TargetModel.load(str(tiny_dir), "auto")
 
 
-def test_an_explicit_dtype_is_honoured_and_measures_nothing(tiny_dir, cache_dir, monkeypatch):
+def test_an_explicit_dtype_is_honoured_and_only_its_kernels_are_measured(tiny_dir, cache_dir, monkeypatch):
     timed = fake_clock(monkeypatch, lambda rows: "bfloat16")
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         target = TargetModel.load(str(tiny_dir), name)
-        assert target.precision == PrecisionPlan.fixed(name) and not target.precision.measured
+        assert target.precision.bands == ((1, name),) and not target.precision.measured
         assert target.dtype == dtype and list(target.runtimes) == [name]
-    assert timed == [] and not (cache_dir / "profiles").exists()
+        assert set(target.precision.kernels) == {name}  # its matmul kernels were chosen
+        assert not any(a.startswith("float32/") for a in target.precision.seconds) or name == "float32"
+    assert timed  # kernels only: no float32 reference for the bf16 one, no other precision
+
+
+def test_kernels_are_chosen_per_pass_size_and_every_projection_follows(tiny_dir, cache_dir, monkeypatch):
+    timed = []
+
+    def seconds(arms, rows, reps):
+        timed.append(rows)
+        for arm in arms.values():
+            arm()
+        # wx wins up to 8 rows, linear from 16 on; bf16 always slower than float32
+        return {a: (1.0 if a.endswith("/wx") == (rows <= 8) else 1.5) * (2 if a.startswith("bfloat16") else 1)
+                for a in arms}
+
+    monkeypatch.setattr(precision_mod, "_time_passes", seconds)
+    target = TargetModel.load(str(tiny_dir), "float32")
+    assert target.precision.kernels == {"float32": ((1, "wx"), (9, "linear"))}
+    plans = {p.plan for p in target.runtime.projections()}
+    assert plans == {target.precision.linear_plan("float32")}
+    assert len(target.runtime.projections()) == 4 * target.args.n_layers + 1
+    # the same logits whichever kernel runs (float32: rounding only); 5 rows: the wx band
+    ids = [4, 5, 17, 40, 3]
+    out = target.forward(VarlenBatch.build([ids], [0], [0]), target.new_cache(1, 16), torch.arange(len(ids)))
+    ref = target.hf_model(torch.tensor([ids])).logits[0]
+    assert torch.allclose(out.logits, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_a_candidate_whose_logits_drift_is_refused_with_its_reason(tiny_dir, cache_dir, monkeypatch):
@@ -231,10 +257,14 @@ def test_the_config_defaults_to_auto_and_names_the_choices():
 
 
 def test_a_plan_round_trips_and_bad_bands_are_refused():
-    plan = PrecisionPlan(((1, "q4"), (9, "float32")), {"q4": {1: 0.01}}, {"float16": "no"}, measured=True)
+    plan = PrecisionPlan(((1, "q4"), (9, "float32")), {"float32": ((1, "wx"), (17, "linear"))},
+                         {"q4/linear": {1: 0.01}}, {"float16": "no"}, measured=True)
     assert PrecisionPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     assert plan.precision_for(8) == "q4" and plan.precision_for(9) == "float32" and plan.primary == "float32"
     assert plan.precisions == ("float32", "q4")
+    assert plan.linear_plan("float32").kernel_for(16) == "wx" and plan.linear_plan("q4") is None
+    with pytest.raises(PrecisionError, match="unknown matmul kernel 'blas'"):
+        PrecisionPlan(((1, "float32"),), {"float32": ((1, "blas"),)})
     with pytest.raises(PrecisionError, match="start at 1"):
         PrecisionPlan(((2, "float32"),))
     with pytest.raises(PrecisionError, match="increasing"):

@@ -76,6 +76,9 @@ class TargetModel:
         self.runtimes: dict[str, Transformer] = {}
         for p in self.precision.precisions:
             self.runtimes[p] = built.get(p) or build_runtime(self.args, hf_model, p, gguf)
+            kernels = self.precision.linear_plan(p)
+            if kernels is not None:
+                self.runtimes[p].set_linear_plan(kernels)
             if p == "q4":
                 self.weights = self.runtimes[p].native_counts
         self.runtime = self.runtimes[self.precision.primary]
@@ -127,15 +130,16 @@ class TargetModel:
                 built[precision] = runtime
             return built[precision]
 
-        if dtype != "auto":
-            plan = PrecisionPlan.fixed("q4" if weights == "native" else dtype)
-        elif weights == "native":
-            plan = PrecisionPlan.fixed("q4")
+        if weights == "native":
+            candidates, skipped, auto = ("q4",), {}, False
+        elif dtype != "auto":
+            candidates, skipped, auto = (dtype,), {}, False
         else:
-            candidates, skipped = precision_candidates(gguf if weights == "auto" else None)
-            key = machine_key(kind="precision", target=model, candidates=candidates, kv_dtype=kv_dtype,
-                              method=method_key())
-            plan = resolve_precision(model, build, candidates, skipped, key, log=log)
+            candidates, skipped = precision_candidates(gguf if weights == "auto" else None, weights)
+            auto = True
+        key = machine_key(kind="precision", target=model, candidates=candidates, auto=auto, kv_dtype=kv_dtype,
+                          method=method_key())
+        plan = resolve_precision(model, build, candidates, skipped, key, log=log, auto=auto)
         target = cls(hf_model, tokenizer, name=model, precision=plan,
                      runtimes={p: build(p) for p in plan.precisions}, gguf=gguf)
         if compile:

@@ -20,6 +20,7 @@ from specforge.target.batch import VarlenBatch
 from specforge.target.cache import KVCache
 from specforge.target.compiled import Attend, CompiledTrunk, compile_available, register_projection
 from specforge.target.kv_dtype import resolve_kv_dtype
+from specforge.target.linear_plan import LinearPlan
 from specforge_kernels.varlen_attention import (
     VarlenPlan,
     plan_varlen_attention,
@@ -76,31 +77,47 @@ def onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tens
 
 
 class Projection:
-    """``y = x Wᵀ (+ b)`` with the weight pre-packed for oneDNN when that is faster.
+    """``y = x Wᵀ (+ b)`` through the matmul kernel measured fastest for the pass's row count.
 
-    On CPUs, bf16/fp16 weights in oneDNN's blocked layout run the small matmuls of decoding
-    (a handful of rows against a 576-wide layer) faster than ``F.linear`` re-packing them on
-    every call (1.29x end to end in paired trials; ``torch.mv`` / ``W @ xᵀ`` 1.08x slower than
-    packed despite streaming faster in isolation).  Elsewhere (CUDA, float32, no oneDNN) this is
-    plain ``F.linear``.
+    Which BLAS call runs a small matmul fastest depends on the CPU and the row count, not only on
+    the maths: on an AMD EPYC with AVX2 only, the whole stack of SmolLM2's float32 projections
+    took 52 ms for one row through ``F.linear`` but 93 ms for two (the library re-blocks the
+    weights for every call once there are several rows), while ``W @ xᵀ`` — the weights as the
+    left operand, streamed once — took 53 ms for two rows and 58 for four (one thread).  So a
+    runtime's projections share a :class:`~specforge.target.linear_plan.LinearPlan` (rows → kernel,
+    measured per machine, see :mod:`specforge.target.linear_plan`):
+
+    * ``linear``: ``F.linear``;
+    * ``wx``: ``(W @ xᵀ)ᵀ``, the weight streamed as the left operand;
+    * ``packed``: bf16/fp16 weights pre-packed in oneDNN's blocked layout (where this torch and
+      CPU can), which on a Xeon with AMX ran decoding 1.29x faster end to end than ``F.linear``.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, plan: LinearPlan | None = None) -> None:
         self.weight, self.bias = weight, bias
         self.out_features = weight.shape[0]
-        self.packed = pack_for_onednn(weight)  # None: stay on F.linear
-        # torch.compile reaches the packed weight through an opaque op (see target.compiled)
-        self.key = register_projection(self) if self.packed is not None else -1
+        self.packed = pack_for_onednn(weight)  # None: oneDNN cannot take it here
+        self.plan = plan or LinearPlan.default(self.packed is not None)
+        # torch.compile reaches the packed weight, or a measured kernel, through an opaque op
+        # (see target.compiled)
+        self.key = register_projection(self)
 
     def packed_linear(self, x: Tensor) -> Tensor:
-        return onednn_linear(x, self.packed, self.bias)
+        """The projection by the kernel the plan names for ``x``'s rows."""
+        kernel = self.plan.kernel_for(x.shape[0]) if x.dim() == 2 else "linear"
+        if kernel == "packed" and self.packed is not None:
+            return onednn_linear(x, self.packed, self.bias)
+        if kernel == "wx":
+            y = torch.mm(self.weight, x.t()).t().contiguous()
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
 
     def __call__(self, x: Tensor) -> Tensor:
-        # Branch on the int key, not on `self.packed`: traced, the opaque packed tensor would
-        # become a guarded graph input with symbolic sizes (~8 guards per projection, 2 of them
-        # Python lambdas; a decode graph of SmolLM2 drops from ~2,500 guards to ~1,500 — no
-        # end-to-end speed difference measured, 0.99x in 16 paired trials).
-        if self.key < 0:
+        # Branch on the plan, not on `self.packed`: traced, the opaque packed tensor would become
+        # a guarded graph input with symbolic sizes (~8 guards per projection, 2 of them Python
+        # lambdas; a decode graph of SmolLM2 drops from ~2,500 guards to ~1,500 — no end-to-end
+        # speed difference measured, 0.99x in 16 paired trials).
+        if self.plan.plain:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
             return torch.ops.specforge.linear(x, self.key)
@@ -186,6 +203,16 @@ class Transformer(nn.Module):
         # decode attention beats the model's dtype on this CPU; "model" or "float32" force one.
         self.kv_dtype = "auto"
         self.compiled: CompiledTrunk | None = None  # see compile()
+
+    def projections(self) -> list[Projection]:
+        """Every dense projection of the runtime (the 4-bit ones of :mod:`.quantized` excluded)."""
+        found = [getattr(layer, name) for layer in self.layers for name in ("qkv_proj", "o_proj", "up_proj", "down_proj")]
+        return [p for p in (*found, self.head_projection) if isinstance(p, Projection)]
+
+    def set_linear_plan(self, plan: LinearPlan) -> None:
+        """Run every dense projection's matmuls by ``plan`` (rows → kernel)."""
+        for projection in self.projections():
+            projection.plan = plan
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

@@ -41,7 +41,9 @@ from typing import Any
 import torch
 
 from specforge.errors import SpecforgeError
+from specforge.target.bands import Bands, band_for, bands_from_choices, check_bands
 from specforge.target.batch import VarlenBatch, split_tokens
+from specforge.target.linear_plan import LinearPlan
 from specforge.target.timing import interleaved_seconds
 
 __all__ = ["DTYPE", "PRECISIONS", "PREFILL_ROWS", "PRIMARY_ROWS", "ROWS", "PrecisionError", "PrecisionPlan",
@@ -61,48 +63,66 @@ SLOW = 3.0  # this much slower than the best at some size: not timed at larger o
 TIE = 1.03  # within 3 % of the best, the smaller pass's choice is kept (fewer bands, fewer copies)
 _CONTEXT, _REQUESTS, _CHECK = 32, 8, 48  # each slot's cached context, slots, tokens of the accuracy check
 _METHOD = {"rows": ROWS, "prefill": PREFILL_ROWS, "context": _CONTEXT, "requests": _REQUESTS, "max_kl": MAX_KL,
-           "slow": SLOW, "tie": TIE, "version": 1}
+           "slow": SLOW, "tie": TIE, "version": 2}
 
 
 class PrecisionError(SpecforgeError, ValueError):
     """A precision that cannot run on this machine or with this target; the message says why."""
 
 
+def _span(bands: Bands, i: int) -> str:
+    first = bands[i][0]
+    last = bands[i + 1][0] - 1 if i + 1 < len(bands) else None
+    if last is None:
+        return f"{first}+ rows"
+    return f"{first} row{'s' * (first > 1)}" if last == first else f"{first}-{last} rows"
+
+
+def _label(bands: Bands) -> str:
+    if len(bands) == 1:
+        return bands[0][1]
+    return ",".join(f"{c}@{_span(bands, i).split()[0]}" for i, (_, c) in enumerate(bands))
+
+
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """Which precision runs a pass of a given number of flattened rows.
+    """Which precision runs a pass of a given number of flattened rows, and which matmul kernel
+    each precision's projections use.
 
     ``bands`` are ``(first_rows, precision)`` in increasing ``first_rows``, the first at 1: a pass
-    of r rows runs in the precision of the last band starting at or below r.  ``seconds`` holds the
-    measurement (precision → rows → seconds a pass), ``skipped`` each candidate left out and why.
+    of r rows runs in the precision of the last band starting at or below r.  ``kernels`` holds
+    each precision's :class:`~specforge.target.linear_plan.LinearPlan` bands (absent: the
+    runtime's default).  ``seconds`` holds the measurement (``precision/kernel`` → rows → seconds
+    a pass), ``skipped`` each candidate left out and why; ``measured`` says the *precision* was
+    chosen by measurement (``dtype: auto``) rather than set.
     """
 
-    bands: tuple[tuple[int, str], ...]
+    bands: Bands
+    kernels: Mapping[str, Bands] = field(default_factory=dict)
     seconds: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
     skipped: Mapping[str, str] = field(default_factory=dict)
     measured: bool = False
 
     def __post_init__(self) -> None:
-        if not self.bands or self.bands[0][0] != 1:
-            raise PrecisionError(f"precision bands must start at 1 row: {self.bands!r}")
-        if any(b[0] >= a[0] for b, a in zip(self.bands, self.bands[1:])):  # noqa: B905 - offset pairs
-            raise PrecisionError(f"precision bands must start at increasing row counts: {self.bands!r}")
-        bad = [p for _, p in self.bands if p not in PRECISIONS]
-        if bad:
-            raise PrecisionError(f"unknown precision {bad[0]!r}; valid: {', '.join(PRECISIONS)}")
+        try:
+            check_bands(self.bands, PRECISIONS, "precision")
+            for kernel_bands in self.kernels.values():
+                LinearPlan(kernel_bands)
+        except ValueError as exc:
+            raise PrecisionError(str(exc)) from None
 
     @classmethod
     def fixed(cls, precision: str) -> PrecisionPlan:
-        """One precision for every pass (an explicit ``target.dtype``)."""
+        """One precision for every pass (an explicit ``target.dtype``), default kernels."""
         return cls(((1, precision),))
 
     def precision_for(self, rows: int) -> str:
-        chosen = self.bands[0][1]
-        for first, precision in self.bands:
-            if first > rows:
-                break
-            chosen = precision
-        return chosen
+        return band_for(self.bands, rows)
+
+    def linear_plan(self, precision: str) -> LinearPlan | None:
+        """The matmul kernels measured for ``precision`` (None: not measured)."""
+        bands = self.kernels.get(precision)
+        return LinearPlan(bands) if bands else None
 
     @property
     def primary(self) -> str:
@@ -119,61 +139,60 @@ class PrecisionPlan:
     def label(self) -> str:
         """``bfloat16`` for one precision, ``bfloat16@1,float32@2+`` for bands: what profiles,
         manifests and benchmark records name."""
-        if len(self.bands) == 1:
-            return self.bands[0][1]
-        spans = []
-        for i, (first, p) in enumerate(self.bands):
-            last = self.bands[i + 1][0] - 1 if i + 1 < len(self.bands) else None
-            spans.append(f"{p}@{first}" + ("+" if last is None else "" if last == first else f"-{last}"))
-        return ",".join(spans)
+        return _label(self.bands)
 
     def describe(self) -> str:
         """One line: what runs where and why."""
-        if not self.measured:
-            return f"target precision: {self.label} (set explicitly)"
         parts = []
         for i, (first, p) in enumerate(self.bands):
-            last = self.bands[i + 1][0] - 1 if i + 1 < len(self.bands) else None
-            span = f"{first}+ rows" if last is None else (f"{first} row{'s' * (first > 1)}" if last == first
-                                                         else f"{first}-{last} rows")
-            at = _measured_rows_in(first, last)
-            why = _versus(self.seconds, p, at)
-            parts.append(f"{p} for passes of {span}" + (f" ({why})" if why else ""))
+            why = _versus(self.seconds, p, _measured_rows_in(self.bands, i)) if self.measured else ""
+            parts.append(f"{p} for passes of {_span(self.bands, i)}" + (f" ({why})" if why else ""))
+        head = "target precision (auto, measured on this machine): " if self.measured else \
+            "target precision (set explicitly): "
+        kernels = "; ".join(f"{p} matmuls: " + ", ".join(f"{k} for {_span(b, i)}" for i, (_, k) in enumerate(b))
+                            for p, b in self.kernels.items() if p in self.precisions)
         skipped = "; ".join(f"{p} not tried: {why}" for p, why in self.skipped.items())
-        return "target precision (auto, measured on this machine): " + ", ".join(parts) + (
-            f"; {skipped}" if skipped else "")
+        return head + ", ".join(parts) + "".join(f"; {x}" for x in (kernels, skipped) if x)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": "specforge.precision", "version": 1, "label": self.label,
+        return {"format": "specforge.precision", "version": 2, "label": self.label,
                 "bands": [[first, p] for first, p in self.bands], "primary": self.primary,
+                "kernels": {p: [[first, k] for first, k in b] for p, b in self.kernels.items()},
                 "measured": self.measured, "skipped": dict(self.skipped),
-                "seconds": {p: {str(r): round(s, 7) for r, s in rows.items()} for p, rows in self.seconds.items()}}
+                "seconds": {a: {str(r): round(s, 7) for r, s in rows.items()} for a, rows in self.seconds.items()}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PrecisionPlan:
         try:
             return cls(tuple((int(first), str(p)) for first, p in data["bands"]),
-                       {str(p): {int(r): float(s) for r, s in rows.items()} for p, rows in data.get("seconds", {}).items()},
+                       {str(p): tuple((int(f), str(k)) for f, k in b) for p, b in data.get("kernels", {}).items()},
+                       {str(a): {int(r): float(s) for r, s in rows.items()} for a, rows in data.get("seconds", {}).items()},
                        {str(p): str(w) for p, w in data.get("skipped", {}).items()}, bool(data.get("measured", True)))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PrecisionError(f"not a precision plan: {exc}") from None
 
 
-def _measured_rows_in(first: int, last: int | None) -> int:
-    """The measured size that stands for a band (its largest measured row count)."""
-    sizes = [*ROWS, PREFILL_ROWS]
-    inside = [r for r in sizes if r >= first and (last is None or r <= last)]
+def _measured_rows_in(bands: Bands, i: int) -> int:
+    """The measured size that stands for band ``i`` (its largest measured row count)."""
+    first = bands[i][0]
+    last = bands[i + 1][0] - 1 if i + 1 < len(bands) else None
+    inside = [r for r in (*ROWS, PREFILL_ROWS) if r >= first and (last is None or r <= last)]
     return inside[-1] if inside else first
 
 
 def _versus(seconds: Mapping[str, Mapping[int, float]], chosen: str, rows: int) -> str:
-    """``1.7x faster than float32 at 1 row``: the chosen precision against the runner-up."""
-    mine = seconds.get(chosen, {}).get(rows)
-    others = {p: s[rows] for p, s in seconds.items() if p != chosen and rows in s}
-    if mine is None or not others:
+    """``1.7x float32's speed at 1 row``: the chosen precision (its best kernel) against the
+    runner-up precision (its best kernel)."""
+    best: dict[str, float] = {}
+    for arm, by_rows in seconds.items():
+        p = arm.split("/")[0]
+        if rows in by_rows:
+            best[p] = min(best.get(p, math.inf), by_rows[rows])
+    mine = best.pop(chosen, None)
+    if mine is None or not best:
         return ""
-    runner = min(others, key=others.get)
-    return f"{others[runner] / mine:.2f}x {runner}'s speed at {rows} row{'s' * (rows > 1)}"
+    runner = min(best, key=best.get)
+    return f"{best[runner] / mine:.2f}x {runner}'s speed at {rows} row{'s' * (rows > 1)}"
 
 
 # -- measuring -------------------------------------------------------------------------------------
@@ -190,50 +209,66 @@ def _mean_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
 
 
 def _time_passes(arms: Mapping[str, Callable[[], object]], rows: int, reps: int) -> dict[str, float]:
-    """Seconds of one pass of ``rows`` rows in each precision (one warm-up each: first-call
+    """Seconds of one pass of ``rows`` rows for each arm (one warm-up each: first-call
     allocations)."""
     return interleaved_seconds(arms, reps, warmup=1)
 
 
+def _kernels(runtime: Any, precision: str) -> tuple[str, ...]:
+    """The matmul kernels worth timing for a runtime: none to choose for q4 (the int4 kernel);
+    ``packed`` only where oneDNN packed its weights."""
+    if precision == "q4":
+        return ("linear",)
+    packed = getattr(runtime.head_projection, "packed", None) is not None
+    return ("linear", "wx", "packed") if packed else ("linear", "wx")
+
+
+def _choose(timed: Mapping[str, float], previous: str | None) -> str:
+    """The fastest arm, or ``previous`` when it is within :data:`TIE` of it (fewer bands)."""
+    best = min(timed, key=timed.get)
+    return previous if previous in timed and timed[previous] <= TIE * timed[best] else best
+
+
 @torch.inference_mode()
 def measure_precision(build: Build, candidates: Sequence[str], skipped: Mapping[str, str] | None = None, *,
-                      reps: int = 4, seed: int = 0, progress: bool = True) -> PrecisionPlan:
-    """Time the runtimes ``build`` makes for ``candidates`` on the pass sizes of :data:`ROWS` and
-    a :data:`PREFILL_ROWS`-token prompt, interleaved, and return the plan (see the module doc).
-    ``float32`` is always measured: it is the reference the others' logits are checked against."""
+                      auto: bool = True, reps: int = 4, seed: int = 0, progress: bool = True) -> PrecisionPlan:
+    """Time the runtimes ``build`` makes for ``candidates``, each with every matmul kernel it can
+    use, on the pass sizes of :data:`ROWS` and a :data:`PREFILL_ROWS`-token prompt, interleaved,
+    and return the plan (see the module doc).  With ``auto`` ``float32`` is always measured: the
+    reference the others' logits are checked against; without it (one explicit precision) only
+    the kernels are chosen."""
     from tqdm.auto import tqdm
 
     skipped = dict(skipped or {})
     runtimes: dict[str, Any] = {}
-    for p in dict.fromkeys(("float32", *candidates)):
+    for p in dict.fromkeys(("float32", *candidates) if auto else candidates):
         try:
             runtimes[p] = build(p)
         except (SpecforgeError, RuntimeError, NotImplementedError, ValueError) as exc:
-            if p == "float32":
+            if p == "float32" or not auto:
                 raise
             skipped[p] = str(exc).splitlines()[0]
-    ref = runtimes["float32"]
     gen = torch.Generator().manual_seed(seed)
-    vocab = int(ref.lm_head.shape[0])
-    check = torch.randint(0, vocab, (_CHECK,), generator=gen)
-    check_batch = VarlenBatch.build([check], [0], [0])
-    check_rows = torch.arange(_CHECK)
+    vocab = int(next(iter(runtimes.values())).lm_head.shape[0])
+    if auto:
+        check = torch.randint(0, vocab, (_CHECK,), generator=gen)
+        check_batch = VarlenBatch.build([check], [0], [0])
 
-    def logits(runtime: Any) -> torch.Tensor:
-        return runtime(check_batch, runtime.new_cache(1, _CHECK), check_rows).logits
+        def logits(runtime: Any) -> torch.Tensor:
+            return runtime(check_batch, runtime.new_cache(1, _CHECK), torch.arange(_CHECK)).logits
 
-    reference = logits(ref)
-    for p in [p for p in runtimes if p != "float32"]:
-        try:
-            kl = _mean_kl(reference, logits(runtimes[p]))
-        except (RuntimeError, NotImplementedError) as exc:
-            skipped[p] = f"its pass failed: {str(exc).splitlines()[0]}"
-            del runtimes[p]
-            continue
-        if not kl <= MAX_KL:
-            skipped[p] = (f"its logits differ from float32's (mean KL {kl:.3g} > {MAX_KL})" if math.isfinite(kl)
-                          else "its logits overflow (inf/NaN)")
-            del runtimes[p]
+        reference = logits(runtimes["float32"])
+        for p in [p for p in runtimes if p != "float32"]:
+            try:
+                kl = _mean_kl(reference, logits(runtimes[p]))
+            except (RuntimeError, NotImplementedError) as exc:
+                skipped[p] = f"its pass failed: {str(exc).splitlines()[0]}"
+                del runtimes[p]
+                continue
+            if not kl <= MAX_KL:
+                skipped[p] = (f"its logits differ from float32's (mean KL {kl:.3g} > {MAX_KL})" if math.isfinite(kl)
+                              else "its logits overflow (inf/NaN)")
+                del runtimes[p]
 
     # Each runtime its own cache (in the KV dtype it would use), with _REQUESTS slots of context.
     longest = max(PREFILL_ROWS, max(split_tokens(r, _REQUESTS)[0] for r in ROWS))
@@ -255,38 +290,53 @@ def measure_precision(build: Build, candidates: Sequence[str], skipped: Mapping[
         tokens = [torch.randint(0, vocab, (n,), generator=gen) for n in runs]
         return VarlenBatch.build(tokens, list(range(len(runs))), [_CONTEXT] * len(runs)), torch.arange(rows)
 
-    live = list(runtimes)
-    seconds: dict[str, dict[int, float]] = {p: {} for p in runtimes}
-    choice: dict[int, str] = {}
+    def arm(p: str, kernel: str, batch: VarlenBatch, rows: torch.Tensor | None) -> Callable[[], object]:
+        def run() -> object:
+            runtimes[p].set_linear_plan(LinearPlan.fixed(kernel))
+            return runtimes[p](batch, caches[p], rows)
+        return run
+
+    live = [f"{p}/{k}" for p, runtime in runtimes.items() for k in _kernels(runtime, p)]
+    if len(live) == 1 and not auto:  # one precision with one kernel (q4): nothing to choose
+        return PrecisionPlan(((1, candidates[0]),), skipped=skipped)
+    seconds: dict[str, dict[int, float]] = {a: {} for a in live}
+    kernel_choice: dict[str, list[tuple[int, str]]] = {p: [] for p in runtimes}
+    choice: list[tuple[int, str]] = []
     sizes = [*ROWS, PREFILL_ROWS]
-    bar = tqdm(total=len(sizes), desc="measuring the target's precision", unit="size", disable=not progress,
-               file=sys.stderr)
+    bar = tqdm(total=len(sizes), desc="measuring the target's precision and matmul kernels", unit="size",
+               disable=not progress, file=sys.stderr)
     with bar:
         for rows in sizes:
             batch, logits_rows = pass_of(rows)
-            timed = _time_passes({p: (lambda p=p: runtimes[p](batch, caches[p], logits_rows)) for p in live},
-                                 rows, reps)
-            for p, s in timed.items():
-                seconds[p][rows] = s
-            best = min(timed, key=timed.get)
-            previous = choice[sizes[sizes.index(rows) - 1]] if rows != sizes[0] else None
-            choice[rows] = previous if previous in timed and timed[previous] <= TIE * timed[best] else best
-            live = [p for p in live if timed[p] <= SLOW * timed[best]]
+            timed = _time_passes({a: arm(*a.split("/"), batch, logits_rows) for a in live}, rows, reps)
+            for a, t in timed.items():
+                seconds[a][rows] = t
+            per_precision: dict[str, float] = {}
+            for p in dict.fromkeys(a.split("/")[0] for a in timed):
+                mine = {a.split("/")[1]: t for a, t in timed.items() if a.split("/")[0] == p}
+                previous = kernel_choice[p][-1][1] if kernel_choice[p] else None
+                k = _choose(mine, previous)
+                kernel_choice[p].append((rows, k))
+                per_precision[p] = mine[k]
+            choice.append((rows, _choose(per_precision, choice[-1][1] if choice else None)))
+            fastest = min(timed.values())
+            live = [a for a in live if timed[a] <= SLOW * fastest]
             bar.update()
-    bands: list[tuple[int, str]] = []
-    first = 1
-    for rows in sizes:  # a pass of r rows goes by the smallest measured size ≥ r
-        if not bands or bands[-1][1] != choice[rows]:
-            bands.append((first, choice[rows]))
-        first = rows + 1
-    return PrecisionPlan(tuple(bands), seconds, skipped, measured=True)
+    for p, runtime in runtimes.items():  # the runtimes go on with their measured kernels
+        if kernel_choice[p]:
+            runtime.set_linear_plan(LinearPlan(bands_from_choices(kernel_choice[p])))
+    kernels = {p: bands_from_choices(c) for p, c in kernel_choice.items() if c and p != "q4"}
+    return PrecisionPlan(bands_from_choices(choice), kernels, seconds, skipped, measured=auto)
 
 
 def resolve_precision(name: str, build: Build, candidates: Sequence[str], skipped: Mapping[str, str],
-                      key: str, log: Callable[[str], None] | None = None, progress: bool = True) -> PrecisionPlan:
-    """The measured plan for target ``name``: read from ``$SPECFORGE_CACHE_DIR/profiles`` where
-    this machine measured it before under ``key`` (see :func:`specforge.machine.machine_key`),
-    else measured now and written there.  An unreadable cache file is measured again."""
+                      key: str, log: Callable[[str], None] | None = None, progress: bool = True,
+                      auto: bool = True) -> PrecisionPlan:
+    """The measured plan for target ``name`` (``auto``: its precision and kernels; else the
+    kernels of the one precision in ``candidates``): read from ``$SPECFORGE_CACHE_DIR/profiles``
+    where this machine measured it before under ``key`` (see
+    :func:`specforge.machine.machine_key`), else measured now and written there.  An unreadable
+    cache file is measured again."""
     from specforge.files import write_atomic
     from specforge.target.loading import cache_root
 
@@ -300,8 +350,9 @@ def resolve_precision(name: str, build: Build, candidates: Sequence[str], skippe
         except (OSError, ValueError) as exc:
             warnings.warn(f"the cached precision plan {path} is unreadable ({exc}); measuring again",
                           RuntimeWarning, stacklevel=2)
-    say(f"measuring which precision runs {name}'s passes fastest on this machine, once (cached in {path})")
-    plan = measure_precision(build, candidates, skipped, progress=progress)
+    what = "precision and matmul kernels" if auto else f"{candidates[0]} matmul kernels"
+    say(f"measuring which {what} run {name}'s passes fastest on this machine, once (cached in {path})")
+    plan = measure_precision(build, candidates, skipped, auto=auto, progress=progress)
     say(plan.describe())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -323,9 +374,9 @@ def require_float16() -> None:
             "or float32")
 
 
-def precision_candidates(gguf: Path | None) -> tuple[tuple[str, ...], dict[str, str]]:
-    """The precisions ``auto`` times for a target (``gguf``: its file, where it is one) and
-    those it leaves out, each with its reason."""
+def precision_candidates(gguf: Path | None, weights: str = "auto") -> tuple[tuple[str, ...], dict[str, str]]:
+    """The precisions ``auto`` times for a target (``gguf``: its file, where it is one;
+    ``weights``: the target's ``weights`` setting) and those it leaves out, each with its reason."""
     from specforge.machine import machine, native_float16
 
     candidates, skipped = ["float32", "bfloat16"], {}
@@ -334,7 +385,9 @@ def precision_candidates(gguf: Path | None) -> tuple[tuple[str, ...], dict[str, 
     else:
         skipped["float16"] = (f"no native float16 arithmetic on this CPU (torch runs at "
                               f"{machine()['cpu_capability']}; needs AVX512-FP16 or AMX-FP16)")
-    if gguf is None:
+    if weights == "dense":
+        skipped["q4"] = "target.weights is dense"
+    elif gguf is None:
         skipped["q4"] = "not a GGUF target (q4 runs a GGUF's own 4-bit blocks)"
     elif not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         skipped["q4"] = "this torch has no CPU int4 kernel (aten._weight_int4pack_mm_for_cpu)"

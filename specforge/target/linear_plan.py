@@ -1,0 +1,49 @@
+"""Which matmul kernel a runtime's projections use, by the row count of the matmul.
+
+A :class:`LinearPlan` is shared by every :class:`~specforge.target.model.Projection` of one
+runtime; :func:`specforge.target.precision.measure_precision` measures it on the target's own
+passes (every kernel at every pass size, beside the precision) and caches it with the precision
+plan.  docs: docs/engine.md#precision
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specforge.target.bands import band_for, check_bands
+
+__all__ = ["KERNELS", "LinearPlan"]
+
+KERNELS = ("linear", "wx", "packed")
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """``bands``: ``(first_rows, kernel)`` in increasing ``first_rows``, the first at 1; a matmul of
+    r rows uses the kernel of the last band starting at or below r."""
+
+    bands: tuple[tuple[int, str], ...] = ((1, "linear"),)
+
+    def __post_init__(self) -> None:
+        check_bands(self.bands, KERNELS, "matmul kernel")
+
+    @classmethod
+    def fixed(cls, kernel: str) -> LinearPlan:
+        return cls(((1, kernel),))
+
+    @classmethod
+    def default(cls, packed: bool) -> LinearPlan:
+        """Before any measurement: oneDNN's packed weights where they exist, else ``F.linear``."""
+        return cls.fixed("packed" if packed else "linear")
+
+    @property
+    def plain(self) -> bool:
+        """``F.linear`` for every row count (nothing to choose per call)."""
+        return self.bands == ((1, "linear"),)
+
+    def kernel_for(self, rows: int) -> str:
+        return band_for(self.bands, rows)
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{k}@{first}" for first, k in self.bands)
