@@ -654,12 +654,14 @@ def _add_bench_ab(bench_sub) -> None:
         description="Each trial runs one batch with every arm back to back (the order reversed from "
         "trial to trial) and divides each arm's tokens/s by the baseline arm's in the same trial, so "
         "the machine's drift mostly cancels; reports the median and quartiles of those ratios.  Arms: "
-        "hf (HF generate, bf16) and {eager,compiled}-{plain,ngram} of the engine, bf16; a native- "
-        "prefix runs the engine arm on the GGUF's 4-bit blocks, a :model or :float32 suffix with that "
-        "KV-cache dtype (default: auto's choice on this machine).",
+        "hf (HF generate) and {eager,compiled}-{plain,ngram} of the engine; a native- prefix runs the "
+        "engine arm on the GGUF's 4-bit blocks, a /PRECISION suffix (auto, float32, bfloat16) in that "
+        "precision (default: auto for the engine, bfloat16 for hf), a :model or :float32 suffix with "
+        "that KV-cache dtype (default: auto's choice on this machine).",
     )
     ab.add_argument("--arms", nargs="+", default=["hf", "eager-plain", "compiled-plain"], choices=AB_ARMS,
-                    metavar="ARM", help="hf, [native-]{eager,compiled}-{plain,ngram}[:model|:float32]")
+                    metavar="ARM",
+                    help="hf[/PRECISION], [native-]{eager,compiled}-{plain,ngram}[/PRECISION][:model|:float32]")
     ab.add_argument("--baseline", default=None, help="arm the ratios divide by (default: the first)")
     ab.add_argument("--trials", type=int, default=40)
     ab.add_argument("--concurrency", type=int, default=1)
