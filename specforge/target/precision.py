@@ -19,8 +19,11 @@ keeps, for each pass size, the fastest one whose logits stay close to float32's:
   precision it uses (two copies of a 135M model cost ~0.8 GB) and each pass runs in its band's.
 
 The hidden states a pass hands out (taps for drafters, the feature cache) come in the *primary*
-precision, the one of passes of :data:`PRIMARY_ROWS` rows — the size of a drafter's block and of
-the batched decoding the heads see — and the drafter, heads and training compute in it too.
+precision — the dense one (float32, bfloat16, float16) fastest on passes of :data:`PRIMARY_ROWS`
+rows, the size of a drafter's block and of the batched decoding the heads see — and the drafter,
+heads and training compute in it too (a 4-bit pass is fast for its weights' bytes, not for its
+arithmetic, so it never sets the primary).  Each precision's projections also get the matmul
+kernel measured fastest for each pass size (:mod:`.linear_plan`).
 
 The choice is measured once per machine, target, torch version and thread count (tens of seconds
 for SmolLM2, the candidates that fall far behind are not timed on larger passes) and cached
@@ -102,10 +105,13 @@ class PrecisionPlan:
     seconds: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
     skipped: Mapping[str, str] = field(default_factory=dict)
     measured: bool = False
+    dense: str | None = None  # the measured primary (see `primary`); None: the band's at 16 rows
 
     def __post_init__(self) -> None:
         try:
             check_bands(self.bands, PRECISIONS, "precision")
+            if self.dense is not None and self.dense not in PRECISIONS:
+                raise ValueError(f"unknown precision {self.dense!r}; valid: {', '.join(PRECISIONS)}")
             for kernel_bands in self.kernels.values():
                 LinearPlan(kernel_bands)
         except ValueError as exc:
@@ -126,9 +132,11 @@ class PrecisionPlan:
 
     @property
     def primary(self) -> str:
-        """The precision of passes of :data:`PRIMARY_ROWS` rows: what the target hands hidden
-        states out in, and what drafters, heads and training compute in."""
-        return self.precision_for(PRIMARY_ROWS)
+        """What the target hands hidden states out in, and what drafters, heads and training
+        compute in: the dense precision (float32, bfloat16 or float16 — a 4-bit pass's speed is
+        its weights', not its arithmetic's) measured fastest on passes of :data:`PRIMARY_ROWS`
+        rows, the size of a drafter's block; for one set precision, that one."""
+        return self.dense or self.precision_for(PRIMARY_ROWS)
 
     @property
     def precisions(self) -> tuple[str, ...]:
@@ -158,7 +166,7 @@ class PrecisionPlan:
         return {"format": "specforge.precision", "version": 2, "label": self.label,
                 "bands": [[first, p] for first, p in self.bands], "primary": self.primary,
                 "kernels": {p: [[first, k] for first, k in b] for p, b in self.kernels.items()},
-                "measured": self.measured, "skipped": dict(self.skipped),
+                "measured": self.measured, "skipped": dict(self.skipped), "dense": self.dense,
                 "seconds": {a: {str(r): round(s, 7) for r, s in rows.items()} for a, rows in self.seconds.items()}}
 
     @classmethod
@@ -167,7 +175,8 @@ class PrecisionPlan:
             return cls(tuple((int(first), str(p)) for first, p in data["bands"]),
                        {str(p): tuple((int(f), str(k)) for f, k in b) for p, b in data.get("kernels", {}).items()},
                        {str(a): {int(r): float(s) for r, s in rows.items()} for a, rows in data.get("seconds", {}).items()},
-                       {str(p): str(w) for p, w in data.get("skipped", {}).items()}, bool(data.get("measured", True)))
+                       {str(p): str(w) for p, w in data.get("skipped", {}).items()}, bool(data.get("measured", True)),
+                       data.get("dense"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PrecisionError(f"not a precision plan: {exc}") from None
 
@@ -302,6 +311,7 @@ def measure_precision(build: Build, candidates: Sequence[str], skipped: Mapping[
     seconds: dict[str, dict[int, float]] = {a: {} for a in live}
     kernel_choice: dict[str, list[tuple[int, str]]] = {p: [] for p in runtimes}
     choice: list[tuple[int, str]] = []
+    primary: str | None = None  # the fastest dense precision at PRIMARY_ROWS (or the last size it ran)
     sizes = [*ROWS, PREFILL_ROWS]
     bar = tqdm(total=len(sizes), desc="measuring the target's precision and matmul kernels", unit="size",
                disable=not progress, file=sys.stderr)
@@ -319,14 +329,21 @@ def measure_precision(build: Build, candidates: Sequence[str], skipped: Mapping[
                 kernel_choice[p].append((rows, k))
                 per_precision[p] = mine[k]
             choice.append((rows, _choose(per_precision, choice[-1][1] if choice else None)))
-            fastest = min(timed.values())
-            live = [a for a in live if timed[a] <= SLOW * fastest]
+            dense_times = {p: t for p, t in per_precision.items() if p != "q4"}
+            if dense_times and (rows <= PRIMARY_ROWS or primary is None):
+                primary = min(dense_times, key=dense_times.get)
+            # A precision far behind the best, or a kernel far behind its precision's best, is not
+            # timed on larger passes (compute-bound, the gap only grows).
+            fastest = min(per_precision.values())
+            live = [a for a in live if per_precision[a.split("/")[0]] <= SLOW * fastest
+                    and timed[a] <= SLOW * per_precision[a.split("/")[0]]]
             bar.update()
     for p, runtime in runtimes.items():  # the runtimes go on with their measured kernels
         if kernel_choice[p]:
             runtime.set_linear_plan(LinearPlan(bands_from_choices(kernel_choice[p])))
     kernels = {p: bands_from_choices(c) for p, c in kernel_choice.items() if c and p != "q4"}
-    return PrecisionPlan(bands_from_choices(choice), kernels, seconds, skipped, measured=auto)
+    bands = bands_from_choices(choice)
+    return PrecisionPlan(bands, kernels, seconds, skipped, measured=auto, dense=primary if auto else None)
 
 
 def resolve_precision(name: str, build: Build, candidates: Sequence[str], skipped: Mapping[str, str],
