@@ -265,6 +265,38 @@ def test_checkpoint_drafts_exactly_like_the_model_it_saved(target, host, tmp_pat
         make_engine(target, host, drafter=host.create_drafter("dspark", {"checkpoint": str(tmp_path)}), head="gated")
 
 
+def test_a_bf16_checkpoint_runs_in_float32_with_the_same_greedy_output(target, host, tmp_path, greedy):
+    """A drafter stored in bf16 (as the shipped one is) serving a float32 target — what
+    ``target.dtype: auto`` picks where float32 is faster — computes in float32 on the stored
+    values widened exactly: it drafts as a float32 checkpoint of those values does, and greedy
+    speculation still gives plain greedy decoding's tokens."""
+    from specforge_plugins.drafters.block.checkpoint import FORMAT, VERSION
+    from specforge_plugins.drafters.checkpoints import read_checkpoint, write_checkpoint
+
+    fresh = make_engine(target, host, drafter=host.create_drafter("dspark", {"gamma": 4, "layers": 2, "seed": 5}))
+    save_drafter(tmp_path / "f32", fresh.drafter.backbone, fresh.correction_head)
+    meta, tensors = read_checkpoint(tmp_path / "f32", FORMAT, VERSION, "dspark")
+    half = {k: v.bfloat16() if v.is_floating_point() else v for k, v in tensors.items()}
+    write_checkpoint(tmp_path / "bf16", meta, half)
+    write_checkpoint(tmp_path / "widened", meta, {k: v.float() if v.is_floating_point() else v for k, v in half.items()})
+
+    def engine(name):
+        return Engine(target, host.create_verifier("rejection"),
+                      drafter=host.create_drafter("dspark", {"checkpoint": str(tmp_path / name)}),
+                      correction_head=host.create_correction_head("markov", {"rank": 8}),
+                      confidence=host.create_confidence("entropy", {}), calibrator=host.create_calibrator("identity", {}),
+                      scheduler=host.create_scheduler("fixed", {}),
+                      sampling=SamplingConfig(temperature=0.0, max_new_tokens=12),
+                      engine=EngineConfig(max_batch=3, max_context=96))
+
+    stored, widened = engine("bf16"), engine("widened")
+    assert {p.dtype for p in stored.drafter.backbone.parameters()} == {torch.float32}
+    outs, ref = stored.generate(requests()), widened.generate(requests())
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref] == greedy
+    assert [(o.stats.drafted, o.stats.accepted) for o in outs] == [(o.stats.drafted, o.stats.accepted) for o in ref]
+    assert sum(o.stats.drafted for o in outs) > 0
+
+
 def test_the_engine_owns_the_round_components(target, host, tmp_path):
     """Lifecycle of specforge.components: the engine binds, loads the checkpoint's companion
     weights, lets the confidence head share the correction head's table, and hands the head to

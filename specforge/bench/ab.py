@@ -66,7 +66,7 @@ def quartiles(xs: list[float]) -> list[float]:
 
 
 def _weights(arm: str) -> str:
-    return "native" if arm.startswith("native-") else "dense"
+    return "native" if arm.startswith("native-") else "auto"
 
 
 def _parts(arm: str) -> tuple[str, str, str]:

@@ -15,6 +15,7 @@ from specforge.target.cache import KVCache
 from specforge.target.kv_dtype import KV_DTYPES
 from specforge.target.loading import load_hf, resolve_model
 from specforge.machine import machine_key
+from specforge.target.linear_plan import record_measured
 from specforge.target.model import ForwardOutput, Transformer
 from specforge.target.precision import (
     DTYPE,
@@ -79,6 +80,7 @@ class TargetModel:
             kernels = self.precision.linear_plan(p)
             if kernels is not None:
                 self.runtimes[p].set_linear_plan(kernels)
+                record_measured(self.runtimes[p].dtype, kernels)
             if p == "q4":
                 self.weights = self.runtimes[p].native_counts
         self.runtime = self.runtimes[self.precision.primary]

@@ -10,11 +10,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from specforge.target.bands import band_for, check_bands
 
-__all__ = ["KERNELS", "LinearPlan"]
+__all__ = ["KERNELS", "LinearPlan", "measured_plan", "record_measured"]
 
 KERNELS = ("linear", "wx", "packed")
+
+# The plan measured on this machine for each dtype, by the last target that measured one: which
+# kernel runs a matmul of r rows fastest is a fact about the CPU and the library more than about
+# one model, so projections built later (a drafter's layers, its LM head) start from it.
+_MEASURED: dict[torch.dtype, LinearPlan] = {}
+
+
+def record_measured(dtype: torch.dtype, plan: LinearPlan) -> None:
+    _MEASURED[dtype] = plan
+
+
+def measured_plan(dtype: torch.dtype) -> LinearPlan | None:
+    """The plan a target measured for ``dtype`` in this process, if any."""
+    return _MEASURED.get(dtype)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from specforge.target.batch import VarlenBatch
 from specforge.target.cache import KVCache
 from specforge.target.compiled import Attend, CompiledTrunk, compile_available, register_projection
 from specforge.target.kv_dtype import resolve_kv_dtype
-from specforge.target.linear_plan import LinearPlan
+from specforge.target.linear_plan import LinearPlan, measured_plan
 from specforge_kernels.varlen_attention import (
     VarlenPlan,
     plan_varlen_attention,
@@ -102,11 +102,12 @@ class Projection:
         self.weight, self.bias = weight, bias
         self.out_features = weight.shape[0]
         self._packed: Tensor | None | bool = False  # False: not packed yet (see `packed`)
-        # Half types start packed where oneDNN can (measured faster on every CPU that has the
-        # kernel); float32 starts on F.linear — bit for bit Hugging Face's own matmul, what the
-        # parity tests compare with — until a measured plan says otherwise.
+        # Without a plan: the one a target measured for this dtype in this process (a drafter's
+        # layers built after the target), else half types packed where oneDNN can (measured
+        # faster on every CPU that has the kernel) and float32 on F.linear — bit for bit Hugging
+        # Face's own matmul, what the parity tests compare with.
         half = weight.dtype in (torch.bfloat16, torch.float16)
-        self.plan = plan or LinearPlan.default(half and self.packed is not None)
+        self.plan = plan or measured_plan(weight.dtype) or LinearPlan.default(half and self.packed is not None)
         # torch.compile reaches the packed weight, or a measured kernel, through an opaque op
         # (see target.compiled)
         self.key = register_projection(self)
