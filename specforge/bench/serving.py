@@ -297,7 +297,10 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
             say(f"R={r:<3} {label:<14} {rec['tok_s']:7.1f} tok/s  τ {rec['tau']:.2f}  "
                 f"verified/round {rec['verified_per_round']:.2f}  plain rounds {rec['plain_rounds']}")
         if vllm:
-            for rec in _vllm_records(batch, r, max_new_tokens, first.target.model, first.target.dtype):
+            # vLLM runs in the engine's primary precision (the dense one measured fastest here
+            # when target.dtype is auto): float32 on a CPU without native bf16, where vLLM's bf16 is
+            # emulated too
+            for rec in _vllm_records(batch, r, max_new_tokens, first.target.model, dtype_name(target.dtype)):
                 line = rec.pop("status_line")
                 if line != "ok" or rec["arm"] not in vllm_status:
                     vllm_status[rec["arm"]] = line  # a failure at any R is what the result reports
