@@ -19,6 +19,7 @@ from specforge import __version__, acceptance
 from specforge.config import ConfigError, load_pipeline, preset_names
 from specforge.errors import SpecforgeError
 from specforge.bench.ab import ARMS as AB_ARMS
+from specforge.machine import machine_line
 from specforge.plugins import PluginHost, get_host
 from specforge.profiling import DEFAULT_BATCHES
 from specforge.registry import ComponentKind
@@ -176,6 +177,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
             print(f"against the float32 model, teacher-forced over {fidelity['positions']} positions: " + "; ".join(
                 f"{name} top-1 agreement {row['top1_agreement']:.4f}, mean KL {row['mean_kl']:.3g}"
                 for name, row in fidelity.items() if isinstance(row, dict)))
+    print(machine_line(), file=sys.stderr if getattr(args, "json", False) else sys.stdout)
     print(f"wrote {json_path} and {png_path}", file=sys.stderr)
     return EXIT_OK
 
@@ -190,6 +192,7 @@ def cmd_bench_round(args: argparse.Namespace) -> int:
                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
     json_path, png_path = save(result, Path(args.out))
     print(json.dumps(result, indent=2) if args.json else table(result))
+    print(machine_line(), file=sys.stderr if getattr(args, "json", False) else sys.stdout)
     print(f"wrote {json_path} and {png_path}", file=sys.stderr)
     return EXIT_OK
 
@@ -249,6 +252,7 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
                                    resume=resume, checkpoint=checkpoint)
     paths = save(result, args.out)
     print(json.dumps(result, indent=2) if args.json else table(result))
+    print(machine_line(), file=sys.stderr if getattr(args, "json", False) else sys.stdout)
     print(f"wrote {', '.join(map(str, paths))}", file=sys.stderr)
     return EXIT_OK
 
@@ -315,6 +319,7 @@ def cmd_bench_drafters(args: argparse.Namespace) -> int:
         return EXIT_OK
     paths = save_bench(result, bench.out)
     print(json.dumps(result, indent=2) if args.json else bench_table(result))
+    print(machine_line(), file=sys.stderr if getattr(args, "json", False) else sys.stdout)
     print(f"wrote {', '.join(map(str, paths))}", file=sys.stderr)
     return EXIT_OK
 
@@ -328,6 +333,7 @@ def cmd_bench_ab(args: argparse.Namespace) -> int:
                     sharegpt=args.sharegpt, progress=lambda line: print(line, flush=True))
     path = save(result, Path(args.out))
     print(table(result))
+    print(machine_line(), file=sys.stderr if getattr(args, "json", False) else sys.stdout)
     print(f"({result['trials']} trials, c={result['concurrency']}, {result['max_new_tokens']} new tokens, "
           f"{result['threads']} threads; wrote {path})")
     return EXIT_OK
@@ -351,6 +357,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                                   "records": records}, indent=2) + "\n")
     plot_profile(records, out / "profile.png", f"{args.model} ({target.precision_label}), {profile.device}")
     print(json.dumps(records, indent=2) if args.json else profile_table(records))
+    print(machine_line(), file=sys.stderr if getattr(args, "json", False) else sys.stdout)
     print(f"wrote {out / 'profile.json'} (use it as scheduler.profile=...), timings.json and profile.png",
           file=sys.stderr)
     return EXIT_OK

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine", "machine_key", "native_float16"]
+__all__ = ["machine", "machine_key", "machine_line", "native_float16"]
 
 _FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
 
@@ -55,6 +55,15 @@ def machine() -> dict[str, Any]:
     if os.environ.get("ONEDNN_MAX_CPU_ISA"):
         record["onednn_max_cpu_isa"] = os.environ["ONEDNN_MAX_CPU_ISA"]
     return record
+
+
+def machine_line(record: dict[str, Any] | None = None) -> str:
+    """One line for a benchmark's output: ``machine: AMD EPYC · flags avx2 · torch kernels AVX2 ·
+    2 threads · torch 2.13.0``."""
+    m = record or machine()
+    isa = f" · oneDNN ISA ≤ {m['onednn_max_cpu_isa']}" if m.get("onednn_max_cpu_isa") else ""
+    return (f"machine: {m['cpu']} · flags {' '.join(m['flags']) or 'none of ' + ' '.join(_FLAGS)} · torch kernels "
+            f"{m.get('cpu_capability', 'unknown')}{isa} · {m['torch_threads']} threads · torch {m['torch']}")
 
 
 def machine_key(**what: Any) -> str:
