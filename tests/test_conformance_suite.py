@@ -142,7 +142,7 @@ def test_uniforms_are_never_shared_by_requests(chost):
 def test_multi_seed_run_resumes_from_its_output_file(tmp_path):
     """The false-alarm run is long: an interrupted one keeps its finished seeds and runs only the rest."""
     out = tmp_path / "seeds.json"
-    base = [sys.executable, "-m", "specforge", "conformance", "--plugin", "greedy", "--n", "200",
+    base = [sys.executable, "-m", "specforge", "conformance", "--plugin", "ngram", "--n", "200",
             "--no-deterministic", "--out", str(out)]
     first = subprocess.run([*base, "--seeds", "2"], capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-2000:]

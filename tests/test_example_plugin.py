@@ -66,7 +66,7 @@ def test_install_select_test_uninstall(child_env, tmp_path):
 
     # The conformance suite has never heard of `budget`: it finds it through the entry point.
     checked = subprocess.run([str(child_env), "-m", "specforge", "conformance", "--plugin", "budget",
-                              "--n", "1000", "--no-deterministic", "--json"], capture_output=True, text=True)
+                              "--n", "400", "--no-deterministic", "--json"], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
     combos = json.loads(checked.stdout)["combinations"]
     assert combos and all(c["combination"]["scheduler"] == "budget" for c in combos if c["status"] == "certified")
@@ -83,7 +83,7 @@ def test_install_select_test_uninstall(child_env, tmp_path):
 
     # The package's own test suite, as its CI would run it (conformance through the pytest plug-in,
     # at a smaller N than its default to keep this test quick).
-    tests = subprocess.run([str(child_env), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--specforge-n", "1000",
+    tests = subprocess.run([str(child_env), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--specforge-n", "400",
                             str(EXAMPLE / "tests" / "test_budget.py"), str(EXAMPLE / "tests" / "test_conformance.py")],
                            capture_output=True, text=True, cwd=tmp_path)
     assert tests.returncode == 0, tests.stdout + tests.stderr
@@ -140,6 +140,6 @@ def test_a_third_party_drafter_trains_evaluates_resumes_and_is_certified(child_e
 
     # Certified by the conformance fixture, in the package's own test (as its CI would run it).
     certified = subprocess.run([str(child_env), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--specforge-n",
-                                "3000", str(EXAMPLE / "tests" / "test_hidden_head.py")],
+                                "1000", str(EXAMPLE / "tests" / "test_hidden_head.py")],
                                capture_output=True, text=True, cwd=tmp_path)
     assert certified.returncode == 0, certified.stdout[-3000:] + certified.stderr[-3000:]
