@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all docs conformance install vllm clean
+.PHONY: demo test test-all docs conformance install vllm gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# On a CUDA machine: the Triton kernel, the runtime's greedy parity, a few training steps, as one
+# verdict (runs/gpu-check/verdict.json).  Without CUDA it says so and does nothing.
+gpu-check: $(STAMP)
+	$(BIN)/python scripts/gpu_check.py
 
 # The conformance suite's fast tier on every registered pipeline, then its power on the controls.
 conformance: $(STAMP)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from specforge.errors import SpecforgeError
 from specforge.plugins import PluginHost, get_host
@@ -93,11 +93,12 @@ class TargetConfig(BaseModel):
         "float32's; an explicit precision is used for every pass (float16 only on CPUs with native "
         "float16). Drafters, heads and training compute in the precision of 16-row passes",
     )
-    compile: bool = Field(
+    compile: bool | Literal["auto"] = Field(
         False,
         description="run the target's passes through torch.compile (fused norms/rotary/residuals "
         "and decode attention; the pre-packed projections stay outside it): faster steps after "
-        "a minute or two of compilation; needs a C++ compiler on CPU, else eager",
+        "a minute or two of compilation; needs a C++ compiler on CPU, else eager; auto: only where "
+        "a paired measurement of decoding passes says it pays on this machine (measured once, cached)",
     )
     weights: Literal["auto", "dense", "native"] = Field(
         "auto",
@@ -134,6 +135,20 @@ class EngineConfig(BaseModel):
     max_context: int = Field(
         4096, ge=2, description="prompt + output tokens per request (capped by the model's own limit)"
     )
+    prefill_chunk: int | Literal["auto", "off"] = Field(
+        "auto",
+        description="prompt tokens prefilled per pass while other requests decode, in the same flattened pass "
+        "as their rows (chunked prefill): a long prompt then never stalls the batch; auto: the pass size past "
+        "which this machine's cost per token stops falling (measured with the target's precision); off: each "
+        "admitted prompt whole, in a pass of its own",
+    )
+
+    @field_validator("prefill_chunk")
+    @classmethod
+    def _positive_chunk(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"prefill_chunk must be auto, off or a positive number of tokens, got {value}")
+        return value
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import specforge.target.compiled as compiled
+from specforge.target import compile_choice
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
@@ -175,3 +176,67 @@ def test_the_pipeline_config_has_the_switch():
 
     assert TargetConfig().compile is False
     assert TargetConfig(compile=True).compile is True
+    assert TargetConfig(compile="auto").compile == "auto"
+    with pytest.raises(ValueError, match="compile"):
+        TargetConfig(compile="sometimes")
+
+
+def _fake_clock(monkeypatch, compiled_seconds: float) -> list[str]:
+    """Timings where eager takes 1 s and compiled ``compiled_seconds`` (the passes still run)."""
+    timed = []
+
+    def seconds(arms, reps):
+        for arm in arms.values():
+            arm()
+        timed.append(sorted(arms))
+        return {"eager": 1.0, "compiled": compiled_seconds}
+
+    monkeypatch.setattr(compile_choice, "_time_passes", seconds)
+    return timed
+
+
+@needs_compiler
+@pytest.mark.slow  # compiles three pass shapes of the tiny model (~90 s on 2 cores)
+def test_compile_auto_keeps_the_compiled_forward_only_where_it_measured_faster(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(save_tiny("llama", tmp_path / "m"))
+    timed = _fake_clock(monkeypatch, 0.8)
+    monkeypatch.setattr(compile_choice, "MAX_COMPILE_SECONDS", float("inf"))  # a slow machine's build time
+    lines = []
+    target = TargetModel.load(path, "float32", compile="auto", log=lines.append)
+    assert len(timed) == len(compile_choice.PASSES)  # each decoding pass, eager against compiled
+    assert target.compile_choice.compile and target.runtime.compiled is not None
+    assert target.compile_choice.speedup == {name: 1.25 for name in compile_choice.PASSES}
+    assert any(line.startswith("target compile (auto, measured") and "compiled" in line for line in lines)
+    ids = list(range(3, 20))
+    out = target.forward(VarlenBatch.build([ids], [0], [0]), target.new_cache(1, 64), logits_rows=torch.arange(len(ids)))
+    assert torch.allclose(out.logits, target.reference_logits(ids), atol=TOL, rtol=1e-5)
+    # the next load reads the verdict: no measurement, compiled straight away
+    again = TargetModel.load(path, "float32", compile="auto", log=lines.append)
+    assert len(timed) == len(compile_choice.PASSES) and again.runtime.compiled is not None
+    assert "[cached:" in lines[-1]
+
+
+def test_compile_auto_keeps_compiled_only_at_a_measured_gain():
+    assert compile_choice.verdict({"decode-1": 1.10, "decode-8": 1.02, "verify-8": 1.00}).compile  # mean 1.04
+    slower = compile_choice.verdict({"decode-1": 1.06, "decode-8": 0.97, "verify-8": 1.0})  # mean 1.01
+    assert not slower.compile and "1.01x" in slower.why
+    # faster, but its graphs take longer to build than a command can earn back
+    costly = compile_choice.verdict({"decode-1": 1.43, "decode-8": 1.14, "verify-8": 1.19}, compile_seconds=338)
+    assert not costly.compile and "338 s" in costly.why
+
+
+def test_compile_auto_without_a_compiler_runs_eagerly_and_never_tries_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("specforge.target.model.compile_available", lambda: False)
+    path = str(save_tiny("llama", tmp_path / "m"))
+    lines = []
+    with pytest.warns(RuntimeWarning, match="C\\+\\+ compiler"):
+        target = TargetModel.load(path, "float32", compile="auto", log=lines.append)
+    assert target.runtime.compiled is None and not target.compile_choice.compile
+    assert "no C++ compiler" in lines[-1]
+    # the verdict is cached: the next load does not even try to compile
+    calls = []
+    monkeypatch.setattr(TargetModel, "compile", lambda self, enabled=True: calls.append(enabled) or False)
+    again = TargetModel.load(path, "float32", compile="auto", log=lines.append)
+    assert calls == [] and again.runtime.compiled is None and "[cached:" in lines[-1]

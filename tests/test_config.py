@@ -6,7 +6,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from specforge.cli import main
-from specforge.config import ConfigError, load_pipeline, preset_names, validate_pipeline
+from pydantic import ValidationError
+
+from specforge.config import ConfigError, EngineConfig, load_pipeline, preset_names, validate_pipeline
 from specforge.registry import ComponentKind
 
 
@@ -152,3 +154,10 @@ def test_naming_another_component_drops_the_keys_of_the_previous_one():
     assert p.to_dict()["scheduler"] == {"name": "fixed", "length": None}
     same = load_pipeline(["dspark"], ["scheduler.profile=auto"])  # same name: keys still merge
     assert same.to_dict()["scheduler"]["profile"] == "auto"
+
+
+@pytest.mark.parametrize("bad", [0, -3, "whole"])
+def test_prefill_chunk_is_auto_off_or_a_positive_count(bad):
+    with pytest.raises(ValidationError, match="prefill_chunk"):
+        EngineConfig(prefill_chunk=bad)
+    assert EngineConfig(prefill_chunk=64).prefill_chunk == 64 and EngineConfig().prefill_chunk == "auto"

@@ -46,14 +46,14 @@ GATED = ("hw-prefix", {"sps": [1.0, 0.5, 0.45], "draft_cost": 3.0, "probe_every"
 
 
 def make_engine(target, host, drafter=None, head="markov", confidence="dspark-head", batch=3,
-                temperature=0.0, top_k=0, new=12, verifier="rejection", scheduler=("fixed", {})):
+                temperature=0.0, top_k=0, new=12, verifier="rejection", scheduler=("fixed", {}), chunk="auto"):
     drafter = drafter if drafter is not None else host.create_drafter("dspark", {"gamma": 4, "layers": 2})
     return Engine(target, host.create_verifier(verifier), drafter=drafter,
                   correction_head=host.create_correction_head(head, head_config(head)),
                   confidence=host.create_confidence(confidence, {"rank": 8} if confidence == "dspark-head" else {}),
                   calibrator=host.create_calibrator("identity", {}), scheduler=host.create_scheduler(*scheduler),
                   sampling=SamplingConfig(temperature=temperature, top_k=top_k, max_new_tokens=new),
-                  engine=EngineConfig(max_batch=batch, max_context=96))
+                  engine=EngineConfig(max_batch=batch, max_context=96, prefill_chunk=chunk))
 
 
 def requests(new: int = 12) -> list[GenerationRequest]:
@@ -98,10 +98,13 @@ def test_gated_rounds_keep_greedy_parity(target, host, greedy):
     assert engine.plain_rounds > 0 and sum(o.stats.drafted for o in outs) > 0  # both kinds of round ran
 
 
+@pytest.mark.parametrize("chunk", ["auto", 3], ids=["whole-prompts", "chunked-prefill"])
 @pytest.mark.parametrize("scheduler", [("fixed", {}), GATED], ids=["every-round", "gated"])
-def test_features_are_the_targets_taps_of_exactly_the_committed_positions(target, host, scheduler):
+def test_features_are_the_targets_taps_of_exactly_the_committed_positions(target, host, scheduler, chunk):
+    # batch 3 < the prompts: the later ones are prefilled (in 3-token chunks: inside the decoding
+    # requests' passes) while the first ones decode
     drafter = Recorder(host.get("drafter", "dspark").config(gamma=3, layers=1, target_layers=(2, 0)))
-    engine = make_engine(target, host, drafter=drafter, temperature=1.0, batch=3, scheduler=scheduler)
+    engine = make_engine(target, host, drafter=drafter, temperature=1.0, batch=3, scheduler=scheduler, chunk=chunk)
     assert engine.taps == (2, 0)
     outs = engine.generate(requests())
     got: dict[int, list] = {}

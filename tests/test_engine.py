@@ -51,7 +51,8 @@ def make_engine(target, host, drafter=None, verifier="rejection", batch=8, tempe
         )
     return Engine(target, host.create_verifier(verifier), **parts,
                   sampling=SamplingConfig(temperature=temperature, max_new_tokens=24),
-                  engine=EngineConfig(max_batch=batch, max_context=kw.get("context", 256)))
+                  engine=EngineConfig(max_batch=batch, max_context=kw.get("context", 256),
+                                      prefill_chunk=kw.get("chunk", "auto")))
 
 
 def hf_greedy(target, ids, n):
@@ -228,6 +229,68 @@ def test_more_requests_than_slots_are_queued(target, host):
     outs = make_engine(target, host, ("ngram", {}), batch=2).generate(
         [GenerationRequest(prompt_ids=p, ignore_eos=True) for p in ps])
     assert [o.token_ids for o in outs] == [hf_greedy(target, p, 24) for p in ps]
+
+
+def _passes_per_step(engine, monkeypatch) -> list[tuple[int, dict[int, int], set[int]]]:
+    """Run ``engine`` to the end; per step: its target passes, how far each prefilling request's
+    prompt advanced, and which decoding requests emitted tokens."""
+    calls = []
+    forward = engine.target.forward
+    monkeypatch.setattr(engine.target, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    steps = []
+    while engine.busy:
+        before = {rid: 0 for rid, _ in engine._queue} | {s.request_id: s.prefilled for s in engine._prefilling}
+        n = len(calls)
+        events = engine.step()
+        after = {s.request_id: s.prefilled for s in (*engine._prefilling, *engine._active)}
+        steps.append((len(calls) - n, {rid: after[rid] - p for rid, p in before.items() if after.get(rid, p) > p},
+                      {e.request_id for e in events if e.token_ids}))
+    return steps
+
+
+@pytest.mark.parametrize("drafter", [None, ("ngram", {"gamma": 4})], ids=["plain", "ngram"])
+def test_chunked_prefill_rides_in_the_decoding_pass(target, host, drafter, monkeypatch):
+    # 2 slots, 6 requests: every later prompt is prefilled, 5 tokens a round, while others decode
+    ps = [p * 2 for p in prompts(6)]  # 24-48 tokens: several chunks each
+    engine = make_engine(target, host, drafter, batch=2, chunk=5)
+    new = [8 + 5 * (i % 3) for i in range(len(ps))]  # requests finish at different rounds
+    for p, n in zip(ps, new):
+        engine.submit(GenerationRequest(prompt_ids=p, ignore_eos=True, max_new_tokens=n))
+    steps = _passes_per_step(engine, monkeypatch)
+    # steps where a prompt advanced while another request decoded
+    mixed = [(passes, advanced) for passes, advanced, emitted in steps if advanced and emitted - set(advanced)]
+    assert mixed, "no prompt chunk shared a pass with decoding requests"
+    for passes, advanced in mixed:
+        assert passes == 1  # the chunk rode in the decoding requests' pass
+        assert sum(advanced.values()) <= 5
+    outs = [engine.take_output(i) for i in range(len(ps))]
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, n) for p, n in zip(ps, new)]
+
+
+def test_prefill_off_runs_each_admitted_prompt_whole_in_its_own_pass(target, host, monkeypatch):
+    ps = [p * 2 for p in prompts(4)]
+    engine = make_engine(target, host, batch=2, chunk="off")
+    for i, p in enumerate(ps):
+        engine.submit(GenerationRequest(prompt_ids=p, ignore_eos=True, max_new_tokens=24 - 6 * i))
+    steps = _passes_per_step(engine, monkeypatch)
+    prefills = [(passes, advanced) for passes, advanced, _ in steps if advanced]
+    assert len(prefills) == 3  # the first two together, then each later one when a slot frees
+    assert all(passes == 2 for passes, _ in prefills)  # the prefill pass, then the round's
+    # each prompt went in whole (all but its anchor)
+    assert sorted(n for _, advanced in prefills for n in advanced.values()) == sorted(len(p) - 1 for p in ps)
+    assert [engine.take_output(i).token_ids for i in range(4)] == [hf_greedy(target, p, 24 - 6 * i)
+                                                                  for i, p in enumerate(ps)]
+
+
+def test_seeded_sampling_does_not_depend_on_the_prefill_chunk(target, host):
+    ps = [p * 2 for p in prompts(5)]
+    runs = []
+    for chunk in ("off", 4, 11):
+        engine = make_engine(target, host, ("ngram", {"gamma": 3}), batch=2, temperature=1.0, chunk=chunk)
+        runs.append([o.token_ids for o in engine.generate(
+            [GenerationRequest(prompt_ids=p, ignore_eos=True, seed=i, max_new_tokens=6 + 5 * i)
+             for i, p in enumerate(ps)])])
+    assert runs[0] == runs[1] == runs[2]
 
 
 def test_take_output_hands_over_and_forgets(target, host):

@@ -271,3 +271,11 @@ def test_a_plan_round_trips_and_bad_bands_are_refused():
         PrecisionPlan(((1, "float32"), (1, "bfloat16")))
     with pytest.raises(PrecisionError, match="unknown precision 'int8'"):
         PrecisionPlan(((1, "int8"),))
+
+
+def test_the_prefill_chunk_is_where_the_cost_per_row_stops_falling():
+    # per row: 10, 1.0, 0.60, 0.57 ms: 128 rows is within 10 % of the cheapest (512): the chunk
+    seconds = {"float32/linear": {1: 0.010, 64: 0.064, 128: 0.0768, 512: 0.2918},
+               "bfloat16/linear": {1: 0.006, 64: 0.128}}
+    assert PrecisionPlan(((1, "float32"),), seconds=seconds).prefill_chunk == 128
+    assert PrecisionPlan.fixed("float32").prefill_chunk == precision_mod.CHUNK_ROWS  # nothing measured

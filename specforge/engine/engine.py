@@ -16,11 +16,20 @@ A drafter that declares ``feature_layers`` (DSpark, DFlash, Eagle3) gets the tar
 states at those layers for exactly the positions each pass commits to the cache (the prefill's
 prompt tokens, then the anchor and accepted drafts of each verify pass), through
 ``DraftContext.features``; the taps are requested only then, so other pipelines pay nothing.
+
+A newly admitted prompt (all of it but the anchor) is prefilled in chunks of
+``engine.prefill_chunk`` tokens that ride along in the decoding requests' pass, as extra runs
+after theirs that need no logits (chunked prefill, as vLLM schedules it): a long prompt costs the
+batch a little more per round for a few rounds instead of one long stall.  When nothing is
+decoding, the waiting prompts are prefilled whole in one pass and decode in the same step; a tree
+round (whose runs are at most 64 tokens) prefills its chunk in a pass of its own.  A request
+decodes from the round after its last chunk.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -55,6 +64,7 @@ class _Active:
     slot: int
     history: list[int]  # prompt + output; history[-1] is the anchor
     prompt_len: int
+    prefilled: int  # positions of the prompt already in the cache (decoding once it is prompt_len - 1)
     max_new_tokens: int
     sampling: tuple[float, int, float]
     generator: torch.Generator
@@ -107,7 +117,9 @@ class Engine:
                     raise ValueError(f"a drafter needs a {name}")
             self._bind(drafter, correction_head, confidence, calibrator, scheduler)
         self._queue: deque[tuple[int, GenerationRequest]] = deque()
-        self._active: list[_Active] = []
+        self._active: list[_Active] = []  # decoding
+        self._prefilling: list[_Active] = []  # admitted, part of the prompt not yet in the cache
+        self.prefill_chunk = _prefill_chunk(self.config.prefill_chunk, target)
         self._outputs: dict[int, RequestOutput] = {}
         self._next_id = 0
         # Wall time per phase of the rounds run so far (seconds), for latency breakdowns: draft
@@ -199,7 +211,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self._queue or self._active)
+        return bool(self._queue or self._active or self._prefilling)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_ids is not None:
@@ -238,40 +250,67 @@ class Engine:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new}")
         slot = self.cache.allocate()
         return _Active(
-            request_id=rid, slot=slot, history=ids, prompt_len=len(ids), max_new_tokens=max_new,
+            request_id=rid, slot=slot, history=ids, prompt_len=len(ids), prefilled=0, max_new_tokens=max_new,
             sampling=sampling, generator=torch.Generator().manual_seed(seed),
             stops=tuple(request.stop), eos_ids=frozenset() if request.ignore_eos else self.target.eos_ids,
             stats=RequestStats(prompt_tokens=len(ids), started=time.perf_counter()),
         )
 
     def _admit_waiting(self) -> list[StreamEvent]:
-        events, admitted = [], []
+        events = []
         while self._queue and self.cache.free_slots:
             rid, request = self._queue.popleft()
             try:
-                admitted.append(self._admit(rid, request))
+                state = self._admit(rid, request)
             except ValueError as exc:  # this request only: the others go on
                 events.append(self._fail(rid, [], str(exc)))
-        prefill = [s for s in admitted if len(s.history) > 1]
-        if prefill:
-            # Everything but the anchor, for all new requests in one pass; no logits needed.
-            batch = VarlenBatch.build([s.history[:-1] for s in prefill], [s.slot for s in prefill],
-                                      [0] * len(prefill))
-            out = self.target.forward(batch, self.cache, taps=self.taps)
-            states = _stack_taps(out.taps, self.taps) if self.taps else None
-            for i, s in enumerate(prefill):
-                self.cache.advance(s.slot, len(s.history) - 1)
-                if states is not None:  # every row of the prefill stays in the cache
-                    lo, hi = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-                    s.features = [(batch.positions[lo:hi], states[lo:hi])]
-        self._active.extend(admitted)
+                continue
+            # A one-token prompt is its own anchor: nothing to prefill.
+            (self._prefilling if len(state.history) > 1 else self._active).append(state)
         return events
+
+    def _prefill_chunks(self, budget: float) -> list[tuple[_Active, int, int]]:
+        """The prompt spans ``(state, lo, hi)`` of the next prefill, first admitted first, at most
+        ``budget`` tokens in all."""
+        chunks = []
+        for s in self._prefilling:
+            if budget <= 0:
+                break
+            n = int(min(s.prompt_len - 1 - s.prefilled, budget))
+            chunks.append((s, s.prefilled, s.prefilled + n))
+            budget -= n
+        return chunks
+
+    def _prefill(self, chunks: list[tuple[_Active, int, int]]) -> None:
+        """A pass of prompt chunks alone (no logits)."""
+        batch = VarlenBatch.build([s.history[lo:hi] for s, lo, hi in chunks], [s.slot for s, _, _ in chunks],
+                                  [lo for _, lo, _ in chunks])
+        out = self.target.forward(batch, self.cache, taps=self.taps)
+        self._prefilled(chunks, batch, out.taps, 0)
+
+    def _prefilled(self, chunks: list[tuple[_Active, int, int]], batch: VarlenBatch, taps: dict[int, Tensor],
+                   first: int) -> None:
+        """Book the chunks a pass wrote (runs ``first``, ``first + 1``, … of ``batch``): their
+        positions join the cache, their taps the drafter's pending features, and a request whose
+        prompt is now cached but for its anchor starts decoding."""
+        states = _stack_taps(taps, self.taps) if self.taps else None
+        for i, (s, lo, hi) in enumerate(chunks):
+            self.cache.advance(s.slot, hi)
+            s.prefilled = hi
+            if states is not None:  # every prompt row stays in the cache
+                a, b = int(batch.cu_seqlens[first + i]), int(batch.cu_seqlens[first + i + 1])
+                s.features.append((batch.positions[a:b], states[a:b]))
+            if hi == s.prompt_len - 1:
+                self._prefilling.remove(s)
+                self._active.append(s)
 
     # -- one round -------------------------------------------------------------------------------
 
     def step(self) -> list[StreamEvent]:
         """Admit what fits, then run one round for every active request."""
         events = self._admit_waiting()
+        if not self._active and self._prefilling:  # nothing decoding to stall: every waiting prompt whole
+            self._prefill(self._prefill_chunks(math.inf))
         if not self._active:
             return events
         states = list(self._active)
@@ -288,15 +327,25 @@ class Engine:
                                    "verifies chains only (its verify takes no parents)"])
             parents = parents[:, :g].to(torch.long)
             run_parents = [[-1, *(parents[r, : int(lengths[r])] + 1).tolist()] for r in range(len(states))]
-        batch = VarlenBatch.build(runs, [s.slot for s in states], [len(s.history) - 1 for s in states],
+        chunks = self._prefill_chunks(self.prefill_chunk)
+        # A tree pass's runs hold at most 64 tokens; `off` prefills whole prompts on their own.
+        if chunks and (parents is not None or math.isinf(self.prefill_chunk)):
+            self._prefill(chunks)
+            chunks = []
+        batch = VarlenBatch.build(runs + [s.history[lo:hi] for s, lo, hi in chunks],
+                                  [s.slot for s in states] + [s.slot for s, _, _ in chunks],
+                                  [len(s.history) - 1 for s in states] + [lo for _, lo, _ in chunks],
                                   parents=None if parents is None else run_parents)
-        # Row j of request r lives at flat index cu[r] + j; pad rows past ℓ_r repeat its last row.
+        # Row j of request r lives at flat index cu[r] + j; pad rows past ℓ_r repeat its last row
+        # (the prefill chunks' runs come after every request's and need no logits).
         # The LM head projects exactly these rows, already in [R, γ+1] order: no second copy of
         # the (large) logits to regroup them, and plain decoding projects just R rows.
         offsets = torch.minimum(torch.arange(g + 1)[None, :], lengths[:, None])
-        rows = (batch.cu_seqlens[:-1, None] + offsets).reshape(-1)
+        rows = (batch.cu_seqlens[:len(states), None] + offsets).reshape(-1)
         out = self.target.forward(batch, self.cache, logits_rows=rows, taps=self.taps)
         logits = out.logits.view(len(states), g + 1, -1)
+        if chunks:
+            self._prefilled(chunks, batch, out.taps, len(states))
         clock = self._lap("target", clock)
         uniforms = self._uniforms(states, lengths, g)
         tokens = block.tokens[:, :g]
@@ -531,6 +580,15 @@ class Engine:
         """Return a finished request's output and forget it (long-running drivers that stream
         many requests would otherwise keep every output in memory)."""
         return self._outputs.pop(request_id)
+
+
+def _prefill_chunk(setting: int | str, target: TargetModel) -> float:
+    """``engine.prefill_chunk`` in tokens (``off``: unbounded, each prompt whole)."""
+    if setting == "off":
+        return math.inf
+    if setting == "auto":
+        return target.precision.prefill_chunk
+    return int(setting)
 
 
 def _stack_taps(taps: dict[int, Tensor], layers: tuple[int, ...]) -> Tensor:

@@ -67,6 +67,7 @@ class TargetModel:
                  name: str = "model", precision: PrecisionPlan | None = None,
                  runtimes: Mapping[str, Transformer] | None = None, gguf: Path | None = None) -> None:
         self.name = name
+        self.compile_choice: Any = None  # target.compile: auto's verdict (compile_choice.CompileChoice)
         self.args = ModelArgs.from_hf_config(hf_model.config)
         self.hf_model = hf_model
         self.tokenizer = tokenizer
@@ -94,7 +95,7 @@ class TargetModel:
 
     @classmethod
     def load(cls, model: str = "smollm2", dtype: str | torch.dtype = "auto",
-             compile: bool = False, weights: str = "auto", kv_dtype: str = "auto",
+             compile: bool | str = False, weights: str = "auto", kv_dtype: str = "auto",
              log: Any = None) -> TargetModel:
         """Load the embedded default, an HF directory or a GGUF file (see :mod:`.loading`).
 
@@ -102,13 +103,16 @@ class TargetModel:
         on this machine per pass size, once, cached (:mod:`.precision`).  ``weights="native"``
         runs a GGUF's 4-bit blocks as stored (:mod:`.quantized`; bf16 activations), ``"auto"`` lets
         ``dtype: auto`` try them; ``compile`` turns on the compiled forward
-        (:meth:`Transformer.compile`); ``kv_dtype`` is the KV cache's dtype (:mod:`.kv_dtype`)."""
+        (:meth:`Transformer.compile`), ``"auto"`` where it measured faster on this machine
+        (:mod:`.compile_choice`); ``kv_dtype`` is the KV cache's dtype (:mod:`.kv_dtype`)."""
         dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
         # Everything that can be refused is refused before the (slow) load.
         if dtype != "auto" and dtype not in DTYPES:
             raise PrecisionError(f"dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
+        if compile not in (True, False, "auto"):
+            raise ValueError(f"compile must be true, false or 'auto', not {compile!r}")
         if weights not in ("auto", "dense", "native"):
             raise ValueError(f"weights must be 'auto', 'dense' or 'native', not {weights!r}")
         directory, gguf_file = resolve_model(model)
@@ -144,7 +148,17 @@ class TargetModel:
         plan = resolve_precision(model, build, candidates, skipped, key, log=log, auto=auto)
         target = cls(hf_model, tokenizer, name=model, precision=plan,
                      runtimes={p: build(p) for p in plan.precisions}, gguf=gguf)
-        if compile:
+        if compile == "auto":
+            from specforge.target import compile_choice
+            from specforge.target.compiled import compile_available
+
+            compile_key = machine_key(kind="compile", target=model, precision=plan.to_dict()["bands"],
+                                      kv_dtype=kv_dtype, compiler=compile_available(),
+                                      method=compile_choice.method_key())
+            target.compile_choice = compile_choice.resolve_compile(target, compile_key, log=log)
+            if target.compile_choice.compile and not any(target.trunks.values()):
+                target.compile()
+        elif compile:
             target.compile()
         return target
 

@@ -32,10 +32,8 @@ beside the step curve.  docs: docs/engine.md#precision
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +47,7 @@ from specforge.target.batch import VarlenBatch, split_tokens
 from specforge.target.linear_plan import LinearPlan
 from specforge.target.timing import interleaved_seconds
 
-__all__ = ["DTYPE", "PRECISIONS", "PREFILL_ROWS", "PRIMARY_ROWS", "ROWS", "PrecisionError", "PrecisionPlan",
+__all__ = ["CHUNK_ROWS", "DTYPE", "PRECISIONS", "PREFILL_ROWS", "PRIMARY_ROWS", "ROWS", "PrecisionError", "PrecisionPlan",
            "measure_precision", "method_key", "precision_candidates", "require_float16", "resolve_precision"]
 
 PRECISIONS = ("float32", "bfloat16", "float16", "q4")
@@ -57,6 +55,11 @@ PRECISIONS = ("float32", "bfloat16", "float16", "q4")
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "q4": torch.bfloat16}
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # decode and verify passes, in flattened rows
 PREFILL_ROWS = 128  # one prompt: the compute-bound regime, standing for every pass past ROWS[-1]
+# A longer prompt, timed only in the precision and kernel chosen at PREFILL_ROWS: where the cost
+# per row stops falling (see PrecisionPlan.prefill_chunk), the engine's prefill chunk.
+CHUNK_ROWS = 512
+# A pass within this factor of the cheapest cost per row measured is as efficient as a larger one
+CHUNK_SLACK = 1.1
 PRIMARY_ROWS = 16
 # A candidate whose next-token law moves further than this from float32's (mean KL, nats, over a
 # teacher-forced sequence) is refused: bf16 and 4-bit renderings of SmolLM2 sit near 1e-3; an
@@ -65,8 +68,8 @@ MAX_KL = 0.05
 SLOW = 3.0  # this much slower than the best at some size: not timed at larger ones (compute only grows)
 TIE = 1.03  # within 3 % of the best, the smaller pass's choice is kept (fewer bands, fewer copies)
 _CONTEXT, _REQUESTS, _CHECK = 32, 8, 48  # each slot's cached context, slots, tokens of the accuracy check
-_METHOD = {"rows": ROWS, "prefill": PREFILL_ROWS, "context": _CONTEXT, "requests": _REQUESTS, "max_kl": MAX_KL,
-           "slow": SLOW, "tie": TIE, "version": 2}
+_METHOD = {"rows": ROWS, "prefill": PREFILL_ROWS, "chunk": CHUNK_ROWS, "context": _CONTEXT, "requests": _REQUESTS,
+           "max_kl": MAX_KL, "slow": SLOW, "tie": TIE, "version": 3}
 
 
 class PrecisionError(SpecforgeError, ValueError):
@@ -142,6 +145,21 @@ class PrecisionPlan:
     def precisions(self) -> tuple[str, ...]:
         """Every precision the plan runs, the primary first."""
         return tuple(dict.fromkeys((self.primary, *(p for _, p in self.bands))))
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens the engine prefills per pass (``engine.prefill_chunk: auto``): the
+        smallest measured pass whose cost per row is within :data:`CHUNK_SLACK` of the cheapest
+        per row measured — a larger chunk would prefill no faster, only stall the decoding rows
+        sharing its pass longer.  Unmeasured (one precision with one kernel): :data:`CHUNK_ROWS`."""
+        per_row: dict[int, float] = {}
+        for by_rows in self.seconds.values():
+            for rows, s in by_rows.items():
+                per_row[rows] = min(per_row.get(rows, math.inf), s / rows)
+        if not per_row:
+            return CHUNK_ROWS
+        cheapest = min(per_row.values())
+        return min(r for r, c in per_row.items() if c <= CHUNK_SLACK * cheapest)
 
     @property
     def label(self) -> str:
@@ -280,7 +298,7 @@ def measure_precision(build: Build, candidates: Sequence[str], skipped: Mapping[
                 del runtimes[p]
 
     # Each runtime its own cache (in the KV dtype it would use), with _REQUESTS slots of context.
-    longest = max(PREFILL_ROWS, max(split_tokens(r, _REQUESTS)[0] for r in ROWS))
+    longest = max(CHUNK_ROWS, max(split_tokens(r, _REQUESTS)[0] for r in ROWS))
     context = [torch.randint(0, vocab, (_CONTEXT,), generator=gen) for _ in range(_REQUESTS)]
     caches = {}
     for p, runtime in runtimes.items():
@@ -292,7 +310,7 @@ def measure_precision(build: Build, candidates: Sequence[str], skipped: Mapping[
         caches[p] = cache
 
     def pass_of(rows: int) -> tuple[VarlenBatch, torch.Tensor | None]:
-        if rows == PREFILL_ROWS:  # a prompt: one request, logits of its last token only
+        if rows >= PREFILL_ROWS:  # a prompt: one request, logits of its last token only
             return VarlenBatch.build([torch.randint(0, vocab, (rows,), generator=gen)], [0], [_CONTEXT]), \
                 torch.tensor([rows - 1])
         runs = split_tokens(rows, _REQUESTS)
@@ -338,6 +356,12 @@ def measure_precision(build: Build, candidates: Sequence[str], skipped: Mapping[
             live = [a for a in live if per_precision[a.split("/")[0]] <= SLOW * fastest
                     and timed[a] <= SLOW * per_precision[a.split("/")[0]]]
             bar.update()
+        # The chunk: a longer prompt in what runs prompts (the last band's precision and kernel).
+        p = choice[-1][1]
+        chunk_arm = f"{p}/{kernel_choice[p][-1][1]}"
+        batch, logits_rows = pass_of(CHUNK_ROWS)
+        timed = _time_passes({chunk_arm: arm(*chunk_arm.split("/"), batch, logits_rows)}, CHUNK_ROWS, reps)
+        seconds[chunk_arm][CHUNK_ROWS] = timed[chunk_arm]
     for p, runtime in runtimes.items():  # the runtimes go on with their measured kernels
         if kernel_choice[p]:
             runtime.set_linear_plan(LinearPlan(bands_from_choices(kernel_choice[p])))
@@ -354,28 +378,18 @@ def resolve_precision(name: str, build: Build, candidates: Sequence[str], skippe
     where this machine measured it before under ``key`` (see
     :func:`specforge.machine.machine_key`), else measured now and written there.  An unreadable
     cache file is measured again."""
-    from specforge.files import write_atomic
-    from specforge.target.loading import cache_root
+    from specforge.target.measured import cached_choice, profile_path
 
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    path = cache_root() / "profiles" / f"{Path(name).name}-precision-{key}.json"
-    if path.is_file():
-        try:
-            plan = PrecisionPlan.from_dict(json.loads(path.read_text(encoding="utf-8")))
-            say(plan.describe() + f" [cached: {path}]")
-            return plan
-        except (OSError, ValueError) as exc:
-            warnings.warn(f"the cached precision plan {path} is unreadable ({exc}); measuring again",
-                          RuntimeWarning, stacklevel=2)
-    what = "precision and matmul kernels" if auto else f"{candidates[0]} matmul kernels"
-    say(f"measuring which {what} run {name}'s passes fastest on this machine, once (cached in {path})")
-    plan = measure_precision(build, candidates, skipped, auto=auto, progress=progress)
-    say(plan.describe())
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(plan.to_dict(), indent=2) + "\n")
-    except OSError as exc:  # a read-only home: measured again next time, never an error
-        warnings.warn(f"could not cache the precision plan at {path} ({exc})", RuntimeWarning, stacklevel=2)
+    path = profile_path(name, "precision", key)
+
+    def measure() -> PrecisionPlan:
+        what = "precision and matmul kernels" if auto else f"{candidates[0]} matmul kernels"
+        say(f"measuring which {what} run {name}'s passes fastest on this machine, once (cached in {path})")
+        return measure_precision(build, candidates, skipped, auto=auto, progress=progress)
+
+    plan, cached = cached_choice(path, measure, PrecisionPlan.from_dict, PrecisionPlan.to_dict)
+    say(plan.describe() + (f" [cached: {path}]" if cached else ""))
     return plan
 
 
