@@ -64,6 +64,9 @@ DEFAULT_ARMS: dict[str, tuple[list[str], dict[str, Any]]] = {
     "ngram-fixed": (["ngram"], {"scheduler": {"name": "fixed"}}),
     "ngram-hw": (["ngram"], {"scheduler": {"name": "hw-prefix", "profile": "auto"},
                              "confidence": {"name": "constant", "value": 0.4}}),
+    # plain decoding with each admitted prompt prefilled whole in a pass of its own: what chunked
+    # prefill (engine.prefill_chunk, docs/engine.md#how-a-round-works) saves the batch
+    "plain-whole-prefill": (["default"], {"engine": {"prefill_chunk": "off"}}),
 }
 
 
@@ -287,7 +290,8 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
             order = list(arms) if (i + h) % 2 == 0 else list(reversed(arms))
             for label in order:
                 p = pipelines[label]
-                engine = Engine.from_pipeline(replace(p, engine=EngineConfig(max_batch=r, max_context=context)), target)
+                engine = Engine.from_pipeline(replace(p, engine=EngineConfig(
+                    max_batch=r, max_context=context, prefill_chunk=p.engine.prefill_chunk)), target)
                 engine.generate(_requests(batch[:1], 4))  # first-call allocations, untimed
                 engine.reset_clocks()
                 runs[label].append(_run(engine, part, max_new_tokens))
@@ -319,8 +323,8 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     for i, rate in enumerate(rates):
         context = max(len(p) for p in prompts) + max_new_tokens + 16
         for label in (list(arms) if i % 2 == 0 else list(reversed(arms))):
-            engine = Engine.from_pipeline(replace(pipelines[label], engine=EngineConfig(max_batch=cap,
-                                                                                        max_context=context)), target)
+            engine = Engine.from_pipeline(replace(pipelines[label], engine=EngineConfig(
+                max_batch=cap, max_context=context, prefill_chunk=pipelines[label].engine.prefill_chunk)), target)
             engine.generate(_requests(prompts[:1], 4))
             rec = {"arm": label, **_open_loop(engine, prompts, max_new_tokens, rate, i, sla_ttft, sla_itl)}
             open_loop.append(rec)
