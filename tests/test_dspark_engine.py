@@ -98,8 +98,8 @@ def test_gated_rounds_keep_greedy_parity(target, host, greedy):
     assert engine.plain_rounds > 0 and sum(o.stats.drafted for o in outs) > 0  # both kinds of round ran
 
 
-@pytest.mark.parametrize("chunk", ["auto", 3], ids=["whole-prompts", "chunked-prefill"])
-@pytest.mark.parametrize("scheduler", [("fixed", {}), GATED], ids=["every-round", "gated"])
+@pytest.mark.parametrize(("scheduler", "chunk"), [(("fixed", {}), "auto"), (GATED, "auto"), (("fixed", {}), 3)],
+                         ids=["every-round", "gated", "every-round-chunked-prefill"])
 def test_features_are_the_targets_taps_of_exactly_the_committed_positions(target, host, scheduler, chunk):
     # batch 3 < the prompts: the later ones are prefilled (in 3-token chunks: inside the decoding
     # requests' passes) while the first ones decode
