@@ -185,13 +185,13 @@ def _fake_clock(monkeypatch, compiled_seconds: float) -> list[str]:
     """Timings where eager takes 1 s and compiled ``compiled_seconds`` (the passes still run)."""
     timed = []
 
-    def seconds(arms, reps):
+    def seconds(arms, reps, warmup):
         for arm in arms.values():
             arm()
         timed.append(sorted(arms))
         return {"eager": 1.0, "compiled": compiled_seconds}
 
-    monkeypatch.setattr(compile_choice, "_time_passes", seconds)
+    monkeypatch.setattr(compile_choice, "interleaved_seconds", seconds)
     return timed
 
 

@@ -241,7 +241,6 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     given such a checkpoint as ``resume``, the concurrencies it holds are not measured again.  A
     concurrency's arms always run together, so every ratio stays paired; a checkpoint of other
     settings or another machine (CPU, threads) is refused, naming what differs."""
-    from specforge.config import EngineConfig
     from specforge.engine import Engine
     from specforge.config import load_pipeline
     from specforge.target import TargetModel
@@ -290,8 +289,8 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
             order = list(arms) if (i + h) % 2 == 0 else list(reversed(arms))
             for label in order:
                 p = pipelines[label]
-                engine = Engine.from_pipeline(replace(p, engine=EngineConfig(
-                    max_batch=r, max_context=context, prefill_chunk=p.engine.prefill_chunk)), target)
+                engine = Engine.from_pipeline(replace(p, engine=p.engine.model_copy(
+                    update={"max_batch": r, "max_context": context})), target)
                 engine.generate(_requests(batch[:1], 4))  # first-call allocations, untimed
                 engine.reset_clocks()
                 runs[label].append(_run(engine, part, max_new_tokens))
@@ -323,8 +322,9 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     for i, rate in enumerate(rates):
         context = max(len(p) for p in prompts) + max_new_tokens + 16
         for label in (list(arms) if i % 2 == 0 else list(reversed(arms))):
-            engine = Engine.from_pipeline(replace(pipelines[label], engine=EngineConfig(
-                max_batch=cap, max_context=context, prefill_chunk=pipelines[label].engine.prefill_chunk)), target)
+            p = pipelines[label]
+            engine = Engine.from_pipeline(replace(p, engine=p.engine.model_copy(
+                update={"max_batch": cap, "max_context": context})), target)
             engine.generate(_requests(prompts[:1], 4))
             rec = {"arm": label, **_open_loop(engine, prompts, max_new_tokens, rate, i, sla_ttft, sla_itl)}
             open_loop.append(rec)

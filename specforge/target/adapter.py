@@ -152,12 +152,9 @@ class TargetModel:
             from specforge.target import compile_choice
             from specforge.target.compiled import compile_available
 
-            compile_key = machine_key(kind="compile", target=model, precision=plan.to_dict()["bands"],
-                                      kv_dtype=kv_dtype, compiler=compile_available(),
-                                      method=compile_choice.method_key())
+            compile_key = machine_key(kind="compile", target=model, precision=plan.label, kv_dtype=kv_dtype,
+                                      compiler=compile_available(), method=compile_choice.method_key())
             target.compile_choice = compile_choice.resolve_compile(target, compile_key, log=log)
-            if target.compile_choice.compile and not any(target.trunks.values()):
-                target.compile()
         elif compile:
             target.compile()
         return target

@@ -68,10 +68,6 @@ class CompileChoice:
             raise ValueError(f"not a compile record: {exc}") from None
 
 
-def _time_passes(arms: Mapping[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    return interleaved_seconds(arms, reps, warmup=1)
-
-
 @torch.inference_mode()
 def measure_compile(target: Any, reps: int = 12) -> CompileChoice:
     """Compile ``target`` (a :class:`~specforge.target.TargetModel`), time :data:`PASSES` eager
@@ -106,7 +102,7 @@ def measure_compile(target: Any, reps: int = 12) -> CompileChoice:
     compile_seconds = time.perf_counter() - start
     speedup = {}
     for name in batches:
-        t = _time_passes({"eager": arm(name, False), "compiled": arm(name, True)}, reps)
+        t = interleaved_seconds({"eager": arm(name, False), "compiled": arm(name, True)}, reps, warmup=1)
         speedup[name] = t["eager"] / t["compiled"]
     choice = verdict(speedup, compile_seconds)
     target.use_trunks(trunks if choice.compile else None)
@@ -126,7 +122,8 @@ def verdict(speedup: Mapping[str, float], compile_seconds: float = 0.0) -> Compi
 
 def resolve_compile(target: Any, key: str, log: Callable[[str], None] | None = None) -> CompileChoice:
     """``target.compile: auto``: the cached verdict for this machine (compiling only when it says
-    compiled pays), else measured now (:func:`measure_compile`) and cached under ``key``."""
+    compiled pays), else measured now (:func:`measure_compile`) and cached under ``key``.  The
+    target is left compiled exactly when the returned choice says so."""
     from specforge.target.measured import cached_choice, profile_path
 
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
