@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip "setuptools>=68" wheel
+	$(BIN)/pip install -q --upgrade pip "setuptools>=77" wheel
 	# The CPU build of torch first: it lies on these machines' disk, and a looser request
 	# would otherwise pull a multi-GB CUDA wheel.
 	$(BIN)/pip install -q torch==2.13.0

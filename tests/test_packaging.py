@@ -53,3 +53,20 @@ def test_wheel_contains_every_entry_point_module_and_preset(tmp_path):
         for f in ("config.json", "model.safetensors", "MODEL_CARD.md"):
             data = zipfile.ZipFile(wheel).read(f"specforge_plugins/drafters/shipped/{d.name}/{f}")
             assert data == (d / f).read_bytes(), f"{d.name}/{f}"
+
+
+def test_the_repository_root_shadows_no_installed_package():
+    """Run from a clone's root the current directory is on ``sys.path``; a top-level directory that
+    were a regular package would shadow an installed distribution of its name (transformers >= 5.25
+    imports Hugging Face's ``kernels``), so the mapped directories are namespace portions."""
+    for src in ("plugins", "kernels", "conformance"):
+        assert not (REPO / src / "__init__.py").exists(), f"{src}/__init__.py would shadow an installed `{src}`"
+    probe = (
+        "import importlib.util, json, transformers\n"
+        "from transformers import LlamaConfig\n"  # imports the kernel hub integration
+        "spec = importlib.util.find_spec('kernels')\n"
+        "print(json.dumps(None if spec is None else (spec.origin or '')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, check=True, capture_output=True, text=True)
+    origin = out.stdout.strip().splitlines()[-1]
+    assert str(REPO / "kernels") not in origin, origin
