@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from specforge import hookimpl
 from specforge.components import ComponentWeights, DraftBlock
-from specforge.config import ConfigError
+from specforge.errors import ConfigError
 from specforge_plugins.heads import load_trained
 
 __all__ = ["ConstantConfidence", "ConstantConfig", "DSparkConfidence", "DSparkHeadConfig",

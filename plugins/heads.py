@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from specforge.components import ComponentWeights
-from specforge.config import ConfigError
+from specforge.errors import ConfigError
 
 __all__ = ["HEADS", "GatedHead", "HeadConfig", "MarkovHead", "RnnHead", "load_trained"]
 

@@ -114,7 +114,7 @@ def calibrate(pipeline: Any, settings: CalibrateSettings, out_dir: str | Path, t
     from specforge.target import TargetModel
 
     if pipeline.component("drafter") is None:
-        from specforge.config import ConfigError
+        from specforge.errors import ConfigError
 
         raise ConfigError(["drafter.name: the pipeline has no drafter, so there are no rounds to calibrate on"])
     out = Path(out_dir)
@@ -209,7 +209,7 @@ def load_rounds(path: str | Path) -> tuple[list[RoundOutcome], dict[int, int], d
     prompt's set and what they were recorded with."""
     from safetensors import SafetensorError, safe_open
 
-    from specforge.config import ConfigError
+    from specforge.errors import ConfigError
 
     try:
         with safe_open(str(path), framework="pt") as f:

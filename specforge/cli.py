@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from specforge import __version__, acceptance
-from specforge.config import ConfigError, load_pipeline, preset_names
+from specforge.config import load_pipeline, preset_names
+from specforge.errors import ConfigError
 from specforge.errors import SpecforgeError
 from specforge.bench.ab import ARMS as AB_ARMS
 from specforge.machine import machine_line

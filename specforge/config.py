@@ -30,13 +30,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from specforge.errors import SpecforgeError
+from specforge.errors import ConfigError, SectionError
 from specforge.plugins import PluginHost, get_host
 from specforge.registry import ComponentKind, Registration
 
 __all__ = [
     "ComponentSpec",
-    "ConfigError",
     "EngineConfig",
     "PipelineConfig",
     "SamplingConfig",
@@ -51,25 +50,6 @@ PRESET_DIR = Path(__file__).parent / "presets"
 
 # Slots left out of a YAML take these components (the kinds' table).  No drafter means plain decoding.
 DEFAULT_COMPONENTS: dict[ComponentKind, str | None] = {kind: kind.spec.default for kind in ComponentKind}
-
-
-class ConfigError(SpecforgeError, ValueError):
-    """A pipeline config that cannot be used; the message lists every problem found."""
-
-    def __init__(self, problems: list[str], source: str = "") -> None:
-        self.problems = problems
-        where = f" ({source})" if source else ""
-        super().__init__(f"invalid pipeline config{where}:\n" + "\n".join(f"  {p}" for p in problems))
-
-
-class SectionError(ValueError):
-    """Raised by a validator of a config section whose keys are checked against another model (a
-    component's own config inside a training config, say): ``problems`` are ``(relative key
-    path, message)`` pairs, reported under the section's path like any other key."""
-
-    def __init__(self, problems: list[tuple[str, str]]) -> None:
-        self.problems = problems
-        super().__init__("; ".join(f"{k}: {m}" if k else m for k, m in problems))
 
 
 # The KV cache's dtype choices (specforge.target.kv_dtype resolves them).

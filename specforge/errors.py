@@ -9,8 +9,27 @@ callers can still catch the narrow kind.
 
 from __future__ import annotations
 
-__all__ = ["SpecforgeError"]
+__all__ = ["ConfigError", "SectionError", "SpecforgeError"]
 
 
 class SpecforgeError(Exception):
     """A failure caused by the input or the environment, explained by its message."""
+
+
+class ConfigError(SpecforgeError, ValueError):
+    """A pipeline config that cannot be used; the message lists every problem found."""
+
+    def __init__(self, problems: list[str], source: str = "") -> None:
+        self.problems = problems
+        where = f" ({source})" if source else ""
+        super().__init__(f"invalid pipeline config{where}:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+class SectionError(ValueError):
+    """Raised by a validator of a config section whose keys are checked against another model (a
+    component's own config inside a training config, say): ``problems`` are ``(relative key
+    path, message)`` pairs, reported under the section's path like any other key."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{k}: {m}" if k else m for k, m in problems))

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from specforge.bench.serving import arm_pipelines
-from specforge.config import ConfigError
+from specforge.errors import ConfigError
 from tiny_models import tiny_training_files
 
 

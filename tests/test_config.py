@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 from specforge.cli import main
 from pydantic import ValidationError
 
-from specforge.config import ConfigError, EngineConfig, load_pipeline, preset_names, validate_pipeline
+from specforge.config import EngineConfig, load_pipeline, preset_names, validate_pipeline
+from specforge.errors import ConfigError
 from specforge.registry import ComponentKind
 
 

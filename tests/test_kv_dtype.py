@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specforge.config import ConfigError, load_pipeline
+from specforge.config import load_pipeline
+from specforge.errors import ConfigError
 from specforge.target import TargetModel, VarlenBatch
 from specforge.target import kv_dtype as kv
 from tiny_models import save_tiny

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specforge.config import ConfigError, EngineConfig, SamplingConfig
+from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
+from specforge.errors import ConfigError
 from specforge.registry import ComponentKind
 from specforge.target import TargetModel, VarlenBatch
 from specforge_conformance import probes

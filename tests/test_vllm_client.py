@@ -13,8 +13,9 @@ import torch
 
 from specforge.bench.vllm_client import VllmNotInstalled, find_vllm_python
 from specforge.bench.vllm_drafter import VllmDrafterSettings, passed, run_vllm_drafter, table
-from specforge.config import ConfigError, EngineConfig, load_pipeline
+from specforge.config import EngineConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest
+from specforge.errors import ConfigError
 from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.features import compute_features
 from specforge.target import TargetModel

@@ -36,7 +36,8 @@ from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specforge.machine import machine
-from specforge.config import ConfigError, compose, validation_problems
+from specforge.config import compose, validation_problems
+from specforge.errors import ConfigError
 from specforge.files import write_atomic
 
 __all__ = ["BENCH_PRESETS", "DraftersBench", "bench_table", "load_bench_config", "prepare", "run_drafters_bench",

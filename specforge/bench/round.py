@@ -124,7 +124,7 @@ def run_round_benchmark(sources: Sequence[str] = ("dspark",), overrides: Sequenc
 
     base = load_pipeline(list(sources), list(overrides))
     if base.component("drafter") is None:
-        from specforge.config import ConfigError
+        from specforge.errors import ConfigError
 
         raise ConfigError(["drafter.name: bench round measures a speculative pipeline; this one has no drafter"])
     target = TargetModel.from_config(base.target)

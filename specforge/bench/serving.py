@@ -74,7 +74,8 @@ def arm_pipelines(arms: Sequence[str], drafter: Sequence[str] = ("dspark",),
                   target: dict[str, Any] | None = None) -> dict[str, Any]:
     """The validated pipeline of each named arm (see :data:`DEFAULT_ARMS`); ``target`` replaces
     every arm's target section (all arms share one loaded target)."""
-    from specforge.config import ConfigError, load_pipeline
+    from specforge.config import load_pipeline
+    from specforge.errors import ConfigError
 
     unknown = [a for a in arms if a not in DEFAULT_ARMS]
     if unknown:

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from specforge.config import ConfigError
+from specforge.errors import ConfigError
 
 __all__ = ["VLLM_METHODS", "VllmDrafterSettings", "passed", "run_vllm_drafter", "save", "table"]
 

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from specforge.components import ComponentWeights, DraftBlock, DraftContext, RoundOutcome, TargetFeatures, Verifier
-from specforge.config import ConfigError, EngineConfig, PipelineConfig, SamplingConfig
+from specforge.config import EngineConfig, PipelineConfig, SamplingConfig
 from specforge.engine.request import (
     FinishReason,
     GenerationRequest,
@@ -49,6 +49,7 @@ from specforge.engine.request import (
     StreamEvent,
 )
 from specforge.engine.stops import apply_token_stops, find_stop_string
+from specforge.errors import ConfigError
 from specforge.registry import ComponentKind
 from specforge.sampling import NonFiniteError, SamplingParams, draw_uniforms, sampling_problem
 from specforge.target import TargetModel, VarlenBatch

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from specforge.acceptance import AcceptanceCounts
-from specforge.config import ConfigError, EngineConfig, PipelineConfig, load_pipeline
+from specforge.config import EngineConfig, PipelineConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest, RequestOutput
+from specforge.errors import ConfigError
 from specforge.evalsets import apply_chat_template, select_prompts
 
 __all__ = ["EvalSettings", "aggregate", "evaluate", "parse_arms"]

@@ -2,7 +2,7 @@
 
 A run is ``preset or YAML file(s)`` + ``key=value`` overrides, merged by OmegaConf and validated
 once; every problem is reported together, naming the key path and the valid keys (the same
-:class:`~specforge.config.ConfigError` as pipeline configs)::
+:class:`~specforge.errors.ConfigError` as pipeline configs)::
 
     load_train_config("quick", ["optimizer.lr=3e-4", "drafter.head.name=gated"])
 
@@ -20,7 +20,8 @@ from typing import Any, Literal
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from specforge.config import ConfigError, TargetConfig, compose, validation_problems
+from specforge.config import TargetConfig, compose, validation_problems
+from specforge.errors import ConfigError
 from specforge.registry import ComponentKind
 
 __all__ = ["PRESETS", "TrainConfig", "TrainConfigError", "load_train_config", "train_preset_names"]

@@ -25,7 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from torch import Tensor, nn
 
-from specforge.config import SectionError
+from specforge.errors import SectionError
 from specforge.plugins import get_host
 from specforge.registry import ComponentKind
 from specforge.training.contract import DataNeeds, DataSummary, LossOutput, MetricNames, TrainBatch
