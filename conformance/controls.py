@@ -25,18 +25,12 @@ from specforge.components import DraftBlock, VerifyOutput
 from specforge.config import DEFAULT_COMPONENTS
 from specforge.registry import ComponentKind
 from specforge.sampling import SamplingParams, sample_with_uniform
+from specforge.toolkit.admission import admission_path, global_count
+from specforge.toolkit.trees import verify_tree
+from specforge.toolkit.verification import VerifyInputs, accepted_prefix, gather_at, prepare
 from specforge_conformance.drafters import RandomDrafter, RandomDrafterConfig
-from specforge_plugins.schedulers.admission import admission_path, global_count
-from specforge_plugins.schedulers.hardware_aware import HardwareConfig
-from specforge_plugins.verifiers import (
-    RejectionConfig,
-    RejectionVerifier,
-    VerifyInputs,
-    accepted_prefix,
-    gather_at,
-    prepare,
-)
-from specforge_plugins.verifiers.tree import verify_tree
+from specforge_plugins.schedulers import HardwareConfig
+from specforge_plugins.verifiers import RejectionConfig, RejectionVerifier
 
 __all__ = [
     "CLAIMS",

@@ -19,10 +19,10 @@ from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.hardware import DraftCost, HardwareProfile, HardwareProfileError
 from specforge.plugins import PluginHost
-from specforge.profiling import DRAFT_COST_REQUESTS
+from specforge.engine.draft_cost import DRAFT_COST_REQUESTS
 from specforge.target import TargetModel
+from specforge.toolkit.admission import admission_path, causal_count
 from specforge_plugins.schedulers import AsyncTopKConfig, AsyncTopKScheduler, HardwareConfig, HwPrefixScheduler
-from specforge_plugins.schedulers.admission import admission_path, causal_count
 from tiny_models import tiny_model
 
 STEEP = [1.0, 0.8, 0.6, 0.5, 0.42, 0.36, 0.3, 0.25]
@@ -139,5 +139,5 @@ def test_auto_measures_the_engines_own_drafting_once_and_caches_it(tmp_path, mon
     outs = first.generate([GenerationRequest(prompt_ids=[5, 6, 7], max_new_tokens=6)])
     assert outs[0].error is None and len(outs[0].token_ids) == 6
     # A second engine of the same pipeline reads the file instead of measuring.
-    monkeypatch.setattr("specforge.profiling.measure_draft_cost", lambda engine: pytest.fail("measured twice"))
+    monkeypatch.setattr("specforge.engine.draft_cost.measure_draft_cost", lambda engine: pytest.fail("measured twice"))
     assert engine().scheduler.draft_cost.points() == cost.points()

@@ -16,7 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specforge.hardware import HardwareProfile
-from specforge.profiling import measure_sps, non_increasing, split_tokens
+from specforge.target.batch import split_tokens
+from specforge.toolkit.step_curve import measure_sps, non_increasing
 from specforge.target import TargetModel
 from tiny_models import save_tiny, tiny_model
 

@@ -12,7 +12,7 @@ import specforge_conformance.controls as controls
 from specforge.hardware import HardwareProfile
 from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
-from specforge_plugins.schedulers.admission import admission_path
+from specforge.toolkit.admission import admission_path
 
 SETTINGS = settings(max_examples=200, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -210,7 +210,7 @@ def test_missing_profile_file_names_it(host, tmp_path):
 def test_profile_auto_measures_this_machines_curve_once_and_the_engine_binds_it(host, tmp_path, monkeypatch):
     """``profile: auto``: the engine binds the scheduler to its target, which measures SPS(B) on
     first use and caches it; a second engine reads the cache (nothing measured again)."""
-    import specforge.profiling as profiling
+    import specforge.toolkit.step_curve as profiling
     from specforge.engine import Engine, GenerationRequest
     from specforge.target import TargetModel
     from tiny_models import tiny_model

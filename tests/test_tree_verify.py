@@ -1,4 +1,4 @@
-"""Recursive rejection over token trees (plugins/verifiers/tree.py): on a chain it is the chain
+"""Recursive rejection over token trees (specforge/toolkit/trees.py): on a chain it is the chain
 rule uniform for uniform; on trees of several shapes, with i.i.d., distinct-law and deterministic
 children, the emitted tokens have the target's law; bad parent lists are refused."""
 
@@ -9,9 +9,9 @@ import torch
 
 from specforge.sampling import SamplingParams, sample_with_uniform
 from specforge_conformance.stats import goodness_of_fit
+from specforge.toolkit.trees import check_parents, verify_tree
 from specforge_plugins.verifiers import RejectionVerifier
 from specforge_plugins.verifiers.rejection import RejectionConfig
-from specforge_plugins.verifiers.tree import check_parents, verify_tree
 
 V = 5
 LEVEL = 1e-6  # per test statistic: the tests below make a handful of fits

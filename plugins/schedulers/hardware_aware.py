@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFlo
 from torch import Tensor
 
 from specforge.hardware import DraftCost, HardwareProfile
-from specforge_plugins.schedulers.admission import admission_path, causal_count, global_count
+from specforge.toolkit.admission import admission_path, causal_count, global_count
+from specforge.toolkit.step_curve import machine_profile
 
 __all__ = ["AsyncTopKConfig", "AsyncTopKScheduler", "HardwareConfig", "HwPrefixScheduler"]
 
@@ -99,10 +100,7 @@ class _HardwareAware:
         self._wait: dict[int, int] = {}
 
     def bind(self, target: Any) -> None:
-
         if self.profile is None:
-            from specforge.profiling import machine_profile
-
             self.profile = machine_profile(target)
         elif isinstance(self.config.profile, Path):  # a file: measured for this target and dtype?
             self.profile.check_fits(str(target.name), target.precision_label, source=f"profile {self.config.profile}")

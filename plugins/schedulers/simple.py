@@ -6,7 +6,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from specforge_plugins.schedulers.admission import masked_confidence
+from specforge.toolkit.admission import masked_confidence
 
 __all__ = ["FixedConfig", "FixedScheduler", "ThresholdConfig", "ThresholdScheduler"]
 

@@ -3,22 +3,22 @@
 Every verifier exposes its per-position law — ``accept_probability(p, q, x)`` and
 ``residual(p, q, x)`` — next to the batched ``verify``, so exactness can be checked by enumeration.
 
-The building blocks of the generic ``verify`` (``prepare``, ``VerifyInputs``, ``accepted_prefix``,
-``gather_at``) are public here for verifiers outside this package, such as the conformance suite's
-negative controls, which re-assemble them with one step broken.
+The building blocks of the generic ``verify`` (``BaseVerifier``, ``prepare``, ``VerifyInputs``,
+``accepted_prefix``, ``gather_at``) and the tree walk are the toolkit's
+(:mod:`specforge.toolkit.verification`, :mod:`specforge.toolkit.trees`), for verifiers outside this
+package too, such as the conformance suite's negative controls, which re-assemble them with one
+step broken.
 """
 
 from __future__ import annotations
 
 from specforge import hookimpl
-from specforge_plugins.verifiers._base import BaseVerifier, VerifyInputs, accepted_prefix, gather_at, prepare
 from specforge_plugins.verifiers.greedy import GreedyConfig, GreedyVerifier
 from specforge_plugins.verifiers.match import MatchConfig, MatchVerifier
 from specforge_plugins.verifiers.rejection import RejectionConfig, RejectionVerifier
 from specforge_plugins.verifiers.typical import TypicalConfig, TypicalVerifier
 
 __all__ = [
-    "BaseVerifier",
     "GreedyConfig",
     "GreedyVerifier",
     "MatchConfig",
@@ -27,10 +27,6 @@ __all__ = [
     "RejectionVerifier",
     "TypicalConfig",
     "TypicalVerifier",
-    "VerifyInputs",
-    "accepted_prefix",
-    "gather_at",
-    "prepare",
 ]
 
 

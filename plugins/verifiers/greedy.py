@@ -13,7 +13,7 @@ from torch import Tensor
 
 from specforge.components import VerifyOutput
 from specforge.sampling import SamplingParams
-from specforge_plugins.verifiers._base import BaseVerifier, VerifyInputs, accepted_prefix
+from specforge.toolkit.verification import BaseVerifier, VerifyInputs, accepted_prefix
 
 __all__ = ["GreedyConfig", "GreedyVerifier"]
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from specforge.components import VerifyOutput
 from specforge.sampling import SamplingParams, sample_with_uniform
-from specforge_plugins.verifiers._base import BaseVerifier, VerifyInputs, accepted_prefix, gather_at
+from specforge.toolkit.verification import BaseVerifier, VerifyInputs, accepted_prefix, gather_at
 
 __all__ = ["MatchConfig", "MatchVerifier"]
 

@@ -10,7 +10,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
-from specforge_plugins.verifiers._base import BaseVerifier, gather_at
+from specforge.toolkit.verification import BaseVerifier, gather_at
 
 __all__ = ["RejectionConfig", "RejectionVerifier"]
 

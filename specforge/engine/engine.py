@@ -28,7 +28,7 @@ decodes from the round after its last chunk.
 
 from __future__ import annotations
 
-import inspect
+import functools
 import math
 import time
 from collections import deque
@@ -41,6 +41,7 @@ from torch import Tensor
 
 from specforge.components import ComponentWeights, DraftBlock, DraftContext, RoundOutcome, TargetFeatures, Verifier
 from specforge.config import EngineConfig, PipelineConfig, SamplingConfig
+from specforge.engine.draft_cost import machine_draft_cost
 from specforge.engine.request import (
     FinishReason,
     GenerationRequest,
@@ -50,6 +51,8 @@ from specforge.engine.request import (
 )
 from specforge.engine.stops import apply_token_stops, find_stop_string
 from specforge.errors import ConfigError
+from specforge.protocols import (Binds, CompanionWeights, DraftCostAware, DraftGate, LoadsWeights, ObservesRounds,
+                                 Restricts, SharesHead, check_optional)
 from specforge.registry import ComponentKind
 from specforge.sampling import NonFiniteError, SamplingParams, draw_uniforms, sampling_problem
 from specforge.target import TargetModel, VarlenBatch
@@ -99,7 +102,13 @@ class Engine:
         scheduler=None,
         sampling: SamplingConfig | None = None,
         engine: EngineConfig | None = None,
+        trees: bool = False,
+        bound: bool = False,
     ) -> None:
+        """``trees``: the verifier verifies token trees too (its registration's ``trees``,
+        :class:`specforge.registry.VerifierMeta`; :meth:`from_pipeline` reads it).  ``bound``: the
+        components are already bound to ``target`` by another engine (lifecycle steps 1–2), as
+        for the engine of its own a drafting-cost measurement runs (:mod:`.draft_cost`)."""
         self.target = target
         self.verifier = verifier
         self.drafter = drafter
@@ -107,6 +116,7 @@ class Engine:
         self.confidence = confidence
         self.calibrator = calibrator
         self.scheduler = scheduler
+        self.trees = trees
         self.defaults = sampling or SamplingConfig()
         self.config = engine or EngineConfig()
         self.context_limit = min(self.config.max_context, target.max_positions)
@@ -116,7 +126,10 @@ class Engine:
             for name, part in (("confidence", confidence), ("calibrator", calibrator), ("scheduler", scheduler)):
                 if part is None:
                     raise ValueError(f"a drafter needs a {name}")
-            self._bind(drafter, correction_head, confidence, calibrator, scheduler)
+            if bound:
+                self.taps = _taps(drafter, target)
+            else:
+                self._bind(drafter, correction_head, confidence, calibrator, scheduler)
         self._queue: deque[tuple[int, GenerationRequest]] = deque()
         self._active: list[_Active] = []  # decoding
         self._prefilling: list[_Active] = []  # admitted, part of the prompt not yet in the cache
@@ -134,21 +147,26 @@ class Engine:
         self.round_observers: list[Any] = []
         self._raw_confidence: Tensor | None = None  # the current round's, for its outcome
         self.plain_rounds = 0  # rounds a drafting pipeline ran without drafting (the scheduler's draft gate)
-        self._measuring = False  # a drafting-cost measurement is running (profiling.measure_draft_cost)
-        bind_cost = getattr(scheduler, "bind_draft_cost", None)
-        if drafter is not None and callable(bind_cost):
-            bind_cost(self._measure_draft_cost)
+        if drafter is not None and not bound and isinstance(scheduler, DraftCostAware):
+            # Last, on the finished engine: the measurement runs on an engine of its own.
+            scheduler.bind_draft_cost(functools.partial(machine_draft_cost, self))
 
     def _bind(self, drafter, correction_head, confidence, calibrator=None, scheduler=None) -> None:
-        """Lifecycle steps 1–2 (:mod:`specforge.components`): bind every component that has a
-        ``bind`` to the target, then give each the weights the drafter's checkpoint trained for it."""
+        """Lifecycle steps 1–2 (:mod:`specforge.components`): check every component's optional
+        methods (:mod:`specforge.protocols`), bind each that has ``bind`` to the target, then give
+        each the weights the drafter's checkpoint trained for it."""
         target = self.target
+        parts = {"drafter": drafter, "correction_head": correction_head, "confidence": confidence,
+                 "calibrator": calibrator, "scheduler": scheduler, "verifier": self.verifier}
+        for slot, part in parts.items():
+            if part is not None:
+                check_optional(slot, part)
         # Heads and estimators sized from the target (vocabulary, hidden size) build here; a
         # hardware-aware scheduler reads the target's step curve on this machine.
-        for part in (drafter, correction_head, confidence, calibrator, scheduler):
-            if callable(getattr(part, "bind", None)):
+        for slot, part in parts.items():
+            if slot != "verifier" and isinstance(part, Binds):
                 part.bind(target)
-        companions = drafter.companion_weights() if callable(getattr(drafter, "companion_weights", None)) else {}
+        companions = drafter.companion_weights() if isinstance(drafter, CompanionWeights) else {}
         for slot, part in (("correction_head", correction_head), ("confidence", confidence)):
             if slot in companions:
                 _load_companion(slot, part, companions[slot])
@@ -157,24 +175,11 @@ class Engine:
         vocab = getattr(drafter, "draft_vocab", None)
         if vocab is not None:
             for slot, part in (("correction_head", correction_head), ("confidence", confidence)):
-                if slot not in companions and callable(getattr(part, "restrict", None)):
+                if slot not in companions and isinstance(part, Restricts):
                     part.restrict(vocab.token_rows())
-        share = getattr(confidence, "share", None)
-        if callable(share):
-            share(correction_head)
-        # Read after bind(): a drafter may pick its layers from the target's depth.
-        taps = tuple(int(i) for i in (getattr(drafter, "feature_layers", ()) or ()))
-        depth = target.args.n_layers
-        bad = [i for i in taps if not 0 <= i < depth]
-        if bad:
-            raise ValueError(f"the drafter taps target layer {bad[0]}, "
-                             f"but the target has {depth} layers (0..{depth - 1})")
-        self.taps = taps
-
-    @property
-    def _verifies_trees(self) -> bool:
-        """Whether the verifier's ``verify`` takes ``parents`` (token trees)."""
-        return "parents" in inspect.signature(self.verifier.verify).parameters
+        if isinstance(confidence, SharesHead):
+            confidence.share(correction_head)
+        self.taps = _taps(drafter, target)
 
     @classmethod
     def from_pipeline(cls, pipeline: PipelineConfig, target: TargetModel | None = None) -> Engine:
@@ -194,6 +199,7 @@ class Engine:
             scheduler=parts[ComponentKind.SCHEDULER] if drafter is not None else None,
             sampling=pipeline.sampling,
             engine=pipeline.engine,
+            trees=pipeline.component("verifier").registration.metadata.trees,
         )
 
     # -- submission ------------------------------------------------------------------------------
@@ -323,9 +329,9 @@ class Engine:
         runs = [[s.history[-1], *block.tokens[r, : int(lengths[r])].tolist()] for r, s in enumerate(states)]
         parents = block.parents
         if parents is not None:
-            if not self._verifies_trees:
+            if not self.trees:
                 raise ConfigError([f"the drafter proposes token trees; the verifier {type(self.verifier).__name__} "
-                                   "verifies chains only (its verify takes no parents)"])
+                                   "verifies chains only (it is not registered with trees=True)"])
             parents = parents[:, :g].to(torch.long)
             run_parents = [[-1, *(parents[r, : int(lengths[r])] + 1).tolist()] for r in range(len(states))]
         chunks = self._prefill_chunks(self.prefill_chunk)
@@ -399,12 +405,6 @@ class Engine:
             book.update(dict.fromkeys(book, 0.0))
         self.plain_rounds = 0
 
-    def _measure_draft_cost(self) -> Any:
-        """ρ(R) of this pipeline's drafting on this machine (cached; :func:`specforge.profiling.machine_draft_cost`)."""
-        from specforge.profiling import machine_draft_cost
-
-        return machine_draft_cost(self)
-
     def _lap(self, phase: str, since: float) -> float:
         now = time.perf_counter()
         book = self.phase_seconds if phase in self.phase_seconds else self.draft_seconds
@@ -414,8 +414,7 @@ class Engine:
     def _draft(self, states: list[_Active], sampling: SamplingParams) -> tuple[DraftBlock, Tensor]:
         r = len(states)
         self._raw_confidence = None
-        gate = getattr(self.scheduler, "draft_gate", None)
-        if self.drafter is None or (callable(gate) and not gate(r)):
+        if self.drafter is None or (isinstance(self.scheduler, DraftGate) and not self.scheduler.draft_gate(r)):
             # No drafter, or a scheduler that knows before drafting that this round would not pay
             # for its drafts: a plain round (the committed features wait for the next draft).
             self.plain_rounds += self.drafter is not None
@@ -453,8 +452,8 @@ class Engine:
     def _observe(self, states: list[_Active], keep: list[int], block: DraftBlock, lengths: Tensor, accepted: Tensor,
                  sampling: SamplingParams) -> None:
         """Tell the calibrator (``observe``) and the round observers what the verified round showed."""
-        observe = getattr(self.calibrator, "observe", None)
-        if self._measuring or (not callable(observe) and not self.round_observers):
+        observes = isinstance(self.calibrator, ObservesRounds)
+        if not observes and not self.round_observers:
             return
         index = torch.tensor(keep, dtype=torch.long)
         available = block.lengths.to(torch.long).clamp(max=self._raw_confidence.shape[1])[index]
@@ -462,8 +461,8 @@ class Engine:
                                confidence=self._raw_confidence[index].detach(), available=available,
                                verified=lengths[index].to(torch.long), accepted=accepted.to(torch.long),
                                temperature=sampling.temperature[index])
-        if callable(observe):
-            observe(outcome)
+        if observes:
+            self.calibrator.observe(outcome)
         for observer in self.round_observers:
             observer(outcome)
 
@@ -592,6 +591,17 @@ def _prefill_chunk(setting: int | str, target: TargetModel) -> float:
     return int(setting)
 
 
+def _taps(drafter: Any, target: TargetModel) -> tuple[int, ...]:
+    """The target layers ``drafter`` reads (``feature_layers``, read after ``bind``: a drafter may
+    pick them from the target's depth), checked against the target's depth."""
+    taps = tuple(int(i) for i in (getattr(drafter, "feature_layers", ()) or ()))
+    depth = target.args.n_layers
+    bad = [i for i in taps if not 0 <= i < depth]
+    if bad:
+        raise ValueError(f"the drafter taps target layer {bad[0]}, but the target has {depth} layers (0..{depth - 1})")
+    return taps
+
+
 def _stack_taps(taps: dict[int, Tensor], layers: tuple[int, ...]) -> Tensor:
     """``{layer: [N, d]}`` → ``[N, m, d]`` in ``layers`` order."""
     return torch.stack([taps[i] for i in layers], dim=1)
@@ -625,7 +635,7 @@ def _load_companion(slot: str, part: Any, weights: ComponentWeights) -> None:
     if part is None:
         return
     if type(part) is not weights.kind:
-        if callable(getattr(part, "load_weights", None)):  # trained weights of another kind exist
+        if isinstance(part, LoadsWeights):  # trained weights of another kind exist
             raise ConfigError([f"{slot}.name: the drafter checkpoint {weights.source} trained a "
                                f"{weights.kind.__name__} for this slot; the pipeline's is a {type(part).__name__} "
                                "(choose the same kind, or one without weights such as 'none' to run without it)"])

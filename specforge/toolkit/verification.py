@@ -25,7 +25,7 @@ from specforge.sampling import (
     sample_with_uniform,
     warp,
 )
-from specforge_plugins.verifiers.tree import check_parents, verify_tree
+from specforge.toolkit.trees import check_parents, verify_tree
 
 __all__ = ["BaseVerifier", "VerifyInputs", "accepted_prefix", "gather_at", "prepare"]
 
@@ -168,7 +168,7 @@ class BaseVerifier(ABC):
     ) -> VerifyOutput:
         """See :class:`specforge.components.Verifier`.  With ``parents`` (a token tree) the
         children of each node are tried in turn under this verifier's own per-position law
-        (:func:`~specforge_plugins.verifiers.tree.verify_tree`)."""
+        (:func:`~specforge.toolkit.trees.verify_tree`)."""
         inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
         if parents is None:
             return self._verify(inputs, sampling)

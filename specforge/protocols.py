@@ -1,0 +1,147 @@
+"""The optional methods of components, one small protocol each (docs/reference/contracts.md).
+
+A component implements its kind's contract (:mod:`specforge.components`) and, where it needs a
+lifecycle step or a round hook the contract leaves optional, one of the protocols below.  The
+engine finds them with ``isinstance`` — they are runtime-checkable — and :func:`check_optional`
+checks each one a component *has* once, when the engine binds it: a method that is there but is
+not callable, or that cannot take the arguments the engine passes, is a
+:class:`ComponentContractError` naming the component, the method and the signature it needs,
+instead of a ``TypeError`` in the middle of a round.
+
+Which kinds may have which (the engine calls nothing else):
+
+========================  ==========================================  ============================
+protocol                  method                                      kinds
+========================  ==========================================  ============================
+:class:`Binds`            ``bind(target)``                            any
+:class:`CompanionWeights` ``companion_weights() -> {slot: weights}``  drafter
+:class:`LoadsWeights`     ``load_weights(weights)``                   correction head, confidence
+:class:`Restricts`        ``restrict(token_rows)``                    correction head, confidence
+:class:`SharesHead`       ``share(correction_head)``                  confidence
+:class:`DraftGate`        ``draft_gate(num_requests) -> bool``        scheduler
+:class:`DraftCostAware`   ``bind_draft_cost(measure)``                scheduler
+:class:`ObservesRounds`   ``observe(outcome)``                        calibrator
+========================  ==========================================  ============================
+
+Whether a verifier takes token trees is not a method: it is declared when it registers
+(``trees=True``, :class:`specforge.registry.VerifierMeta`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from specforge.components import ComponentWeights, RoundOutcome
+from specforge.errors import SpecforgeError
+from specforge.hardware import DraftCost
+
+__all__ = ["OPTIONAL", "Binds", "CompanionWeights", "ComponentContractError", "DraftCostAware", "DraftGate",
+           "LoadsWeights", "ObservesRounds", "Restricts", "SharesHead", "check_optional"]
+
+
+class ComponentContractError(SpecforgeError, TypeError):
+    """A component whose optional method cannot be called the way the engine calls it."""
+
+
+@runtime_checkable
+class Binds(Protocol):
+    """Lifecycle step 1: sized from the target, takes the frozen tensors it reads."""
+
+    def bind(self, target: Any) -> None: ...
+
+
+@runtime_checkable
+class CompanionWeights(Protocol):
+    """A drafter whose checkpoint trained other components of the round: their weights, by slot."""
+
+    def companion_weights(self) -> dict[str, ComponentWeights]: ...
+
+
+@runtime_checkable
+class LoadsWeights(Protocol):
+    """A component with trained weights of its own (given by the drafter's checkpoint)."""
+
+    def load_weights(self, weights: ComponentWeights) -> None: ...
+
+
+@runtime_checkable
+class Restricts(Protocol):
+    """A head that came without trained weights, restricted to a drafter's draft vocabulary
+    (``token_rows``: the target ids of the draft ids, in draft-id order)."""
+
+    def restrict(self, token_rows: Tensor) -> None: ...
+
+
+@runtime_checkable
+class SharesHead(Protocol):
+    """A confidence estimator that reads tables of the pipeline's (loaded) correction head."""
+
+    def share(self, correction_head: Any) -> None: ...
+
+
+@runtime_checkable
+class DraftGate(Protocol):
+    """A scheduler that may decide, before anything is drafted, that a round runs plain."""
+
+    def draft_gate(self, num_requests: int) -> bool: ...
+
+
+@runtime_checkable
+class DraftCostAware(Protocol):
+    """A scheduler offered what drafting costs this pipeline on this machine: ``measure()``
+    returns the :class:`~specforge.hardware.DraftCost` (measured once on an engine of its own and
+    cached); call it only if you need it."""
+
+    def bind_draft_cost(self, measure: Callable[[], DraftCost]) -> None: ...
+
+
+@runtime_checkable
+class ObservesRounds(Protocol):
+    """A calibrator told, after each verified chain round, what the round showed."""
+
+    def observe(self, outcome: RoundOutcome) -> None: ...
+
+
+# Per pipeline slot, the optional protocols the engine calls (and so checks).
+OPTIONAL: dict[str, tuple[type, ...]] = {
+    "drafter": (Binds, CompanionWeights),
+    "correction_head": (Binds, LoadsWeights, Restricts),
+    "confidence": (Binds, LoadsWeights, Restricts, SharesHead),
+    "calibrator": (Binds, ObservesRounds),
+    "scheduler": (Binds, DraftGate, DraftCostAware),
+    "verifier": (Binds,),
+}
+
+
+def _methods(protocol: type) -> list[str]:
+    return [name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")]
+
+
+def check_optional(slot: str, component: Any) -> None:
+    """Raise :class:`ComponentContractError` for an optional method of ``component`` (the
+    pipeline's ``slot``) that is present but cannot be called as its protocol says."""
+    for protocol in OPTIONAL.get(slot, ()):
+        for name in _methods(protocol):
+            if not hasattr(component, name):
+                continue
+            method = getattr(component, name)
+            wanted = inspect.signature(getattr(protocol, name))
+            params = [p for p in wanted.parameters.values() if p.name != "self"]
+            shown = f"{name}({', '.join(p.name for p in params)})"
+            where = f"{slot} {type(component).__module__}.{type(component).__qualname__}"
+            if not callable(method):
+                raise ComponentContractError(f"{where}: `{name}` is not a method; {protocol.__name__} needs "
+                                             f"{shown} (docs/reference/contracts.md)")
+            try:
+                signature = inspect.signature(method)
+            except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+                continue
+            try:
+                signature.bind(*params)
+            except TypeError as exc:
+                raise ComponentContractError(f"{where}: `{name}` cannot be called as {shown} ({exc}); "
+                                             f"see {protocol.__name__} in docs/reference/contracts.md") from None
