@@ -233,11 +233,6 @@ class RoundOutcome:
     accepted: Tensor
     temperature: Tensor
 
-    def calibration_data(self) -> CalibrationData:
-        """These rounds as held-out data for :meth:`Calibrator.fit`."""
-        return CalibrationData(self.confidence, self.accepted, self.verified)
-
-
 @runtime_checkable
 class Calibrator(Protocol):
     """Maps raw confidences to calibrated ones; order-preserving at each position.

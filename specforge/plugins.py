@@ -29,14 +29,7 @@ from pydantic import BaseModel
 
 from specforge.errors import SpecforgeError
 from specforge import hookspecs
-from specforge.components import (
-    Calibrator,
-    ConfidenceEstimator,
-    CorrectionHead,
-    Drafter,
-    Scheduler,
-    Verifier,
-)
+from specforge.components import Calibrator, ConfidenceEstimator, CorrectionHead, Drafter, Scheduler, Verifier
 from specforge.registry import (
     NAME_RE,
     ComponentKind,
@@ -307,9 +300,3 @@ def get_host() -> PluginHost:
     if _HOST is None:
         _HOST = PluginHost()
     return _HOST.load()
-
-
-def reset_host() -> None:
-    """Forget the process-wide host (tests use this after changing the environment)."""
-    global _HOST
-    _HOST = None

@@ -10,14 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, field_validator
 
-from specforge.components import (
-    Calibrator,
-    ConfidenceEstimator,
-    CorrectionHead,
-    Drafter,
-    Scheduler,
-    Verifier,
-)
+from specforge.components import Calibrator, ConfidenceEstimator, CorrectionHead, Drafter, Scheduler, Verifier
 
 __all__ = [
     "KIND_HOOKS",
@@ -66,7 +59,7 @@ class DrafterMeta(_Meta):
     # Whether it may propose token trees (DraftBlock.parents): it then pairs only with verifiers
     # that declare ``trees``.
     trees: bool = False
-    # The training method (specforge.training.contract): a class with a ``config`` model, built
+    # The training method (specforge.toolkit.training): a class with a ``config`` model, built
     # as ``training(config, target)``.  None: the drafter cannot be trained by ``specforge train``.
     training: Any = Field(None, exclude=True)
     # Foreign layouts of its checkpoints (specforge.interop.CheckpointFormat): what `specforge
@@ -103,7 +96,7 @@ class DrafterMeta(_Meta):
         config = getattr(value, "config", None)
         if not callable(value) or not (isinstance(config, type) and issubclass(config, BaseModel)):
             raise ValueError("training must be a class with a pydantic `config` model "
-                             "(see specforge.training.contract)")
+                             "(see specforge.toolkit.training)")
         if config.model_config.get("extra") != "forbid":
             raise ValueError(f"training config model {config.__name__} must set extra='forbid'")
         return value

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specforge_kernels import planned_attention as pa
 from specforge_kernels import varlen_attention as va
 
 _CHILD_FLAG = "SPECFORGE_KERNELS_INTERPRET_CHILD"
@@ -164,10 +165,10 @@ def test_tree_attention_sees_ancestors_and_the_prefix_only():
     tree = random_tree_bits(runs, seed=1)
     out = va.varlen_attention_reference(*case.args(), tree)
     assert_close(out, oracle(case, tree), torch.float32)
-    plan = va.plan_varlen_attention(case.cu_seqlens, case.slots, case.start_pos, case.k_cache, case.q.shape[0],
+    plan = pa.plan_varlen_attention(case.cu_seqlens, case.slots, case.start_pos, case.k_cache, case.q.shape[0],
                                     case.q.shape[1], tree=tree)
     assert plan.padded is None
-    assert torch.equal(va.varlen_attention_planned(case.q, case.k_cache, case.v_cache, plan, case.scale), out)
+    assert torch.equal(pa.varlen_attention_planned(case.q, case.k_cache, case.v_cache, plan, case.scale), out)
     chain = torch.cat([torch.tensor([(1 << (i + 1)) - 1 for i in range(n)]) for n, _ in runs])
     torch.testing.assert_close(va.varlen_attention_reference(*case.args(), chain),
                                va.varlen_attention_reference(*case.args()))

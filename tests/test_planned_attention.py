@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from specforge_kernels import planned_attention as pa
 from specforge_kernels import varlen_attention as va
 
 
@@ -25,11 +26,11 @@ def _case(dtype, runs, slots, starts, S=16, T=256, hq=9, hkv=3, d=64, seed=0):
 def test_planned_matches_reference(dtype, tol, runs, slots, starts, batched):
     q, kc, vc, cu, sl, sp = _case(dtype, runs, slots, starts)
     ref = va.varlen_attention_reference(q, kc, vc, cu, sl, sp, 0.125)
-    plan = va.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1], batched)
-    torch.testing.assert_close(va.varlen_attention_planned(q, kc, vc, plan, 0.125), ref, atol=tol, rtol=tol)
+    plan = pa.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1], batched)
+    torch.testing.assert_close(pa.varlen_attention_planned(q, kc, vc, plan, 0.125), ref, atol=tol, rtol=tol)
     if batched is False or (batched is None and dtype == torch.float32):
         assert plan.padded is None  # float32 stays bit-identical to the reference
-        assert torch.equal(va.varlen_attention_planned(q, kc, vc, plan, 0.125), ref)
+        assert torch.equal(pa.varlen_attention_planned(q, kc, vc, plan, 0.125), ref)
 
 
 def test_freed_slot_is_cleared_for_the_padded_path():
@@ -51,7 +52,7 @@ def test_mixed_lengths_are_grouped_by_slot_and_nobody_pays_for_the_longest():
     runs = [1, 1, 1, 1, 4, 4, 4, 4]
     runs_with_chunk = runs + [40]  # a chunked prefill in the same pass
     q, kc, vc, cu, sl, sp = _case(torch.bfloat16, runs_with_chunk, list(range(9)), contexts + [64], S=12, T=2100)
-    plan = va.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1])
+    plan = pa.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1])
     assert plan.padded is None and plan.groups
     assert 8 in plan.alone  # the prefill chunk
     for p in plan.groups:  # no group reads the long context's 2,000 keys for a short neighbour
@@ -59,7 +60,7 @@ def test_mixed_lengths_are_grouped_by_slot_and_nobody_pays_for_the_longest():
     read = sum(p.span * p.length for p in plan.groups) + sum(contexts[r] + runs[r] for r in plan.alone if r < 8)
     assert read <= 1.3 * sum(c + n for c, n in zip(contexts, runs))  # ~ the requests' own keys
     ref = va.varlen_attention_reference(q, kc, vc, cu, sl, sp, 0.125)
-    torch.testing.assert_close(va.varlen_attention_planned(q, kc, vc, plan, 0.125), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(pa.varlen_attention_planned(q, kc, vc, plan, 0.125), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -71,9 +72,9 @@ def test_random_passes_match_the_reference_whatever_the_grouping(seed):
     runs = [rng.choice([1, 1, 2, 5, 8, 20]) for _ in range(n_req)]
     starts = [rng.choice([0, 3, 40, 150, 900]) for _ in range(n_req)]
     q, kc, vc, cu, sl, sp = _case(torch.bfloat16, runs, slots, starts, T=1024, seed=seed)
-    plan = va.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1])
+    plan = pa.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1])
     ref = va.varlen_attention_reference(q, kc, vc, cu, sl, sp, 0.125)
-    torch.testing.assert_close(va.varlen_attention_planned(q, kc, vc, plan, 0.125), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(pa.varlen_attention_planned(q, kc, vc, plan, 0.125), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_a_float32_cache_stays_exact_unless_told_otherwise():
@@ -81,10 +82,10 @@ def test_a_float32_cache_stays_exact_unless_told_otherwise():
     ``exact=False`` (a float32 cache under a bf16 model) groups it like a bf16 one, within float32
     rounding of the reference."""
     q, kc, vc, cu, sl, sp = _case(torch.float32, [1] * 8 + [4] * 4, list(range(12)), [40 + 3 * i for i in range(12)])
-    exact = va.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1])
+    exact = pa.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1])
     assert exact.padded is None and not exact.groups
-    grouped = va.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1], exact=False)
+    grouped = pa.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1], exact=False)
     assert grouped.padded is not None or grouped.groups
     ref = va.varlen_attention_reference(q, kc, vc, cu, sl, sp, 0.125)
-    assert torch.equal(va.varlen_attention_planned(q, kc, vc, exact, 0.125), ref)
-    torch.testing.assert_close(va.varlen_attention_planned(q, kc, vc, grouped, 0.125), ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pa.varlen_attention_planned(q, kc, vc, exact, 0.125), ref)
+    torch.testing.assert_close(pa.varlen_attention_planned(q, kc, vc, grouped, 0.125), ref, atol=1e-5, rtol=1e-5)

@@ -20,7 +20,6 @@ from typing import Any, Iterable, Mapping
 from specforge.errors import SpecforgeError
 
 __all__ = [
-    "ROLES",
     "ChatTemplateError",
     "Conversation",
     "TokenizedChat",
@@ -28,8 +27,6 @@ __all__ = [
     "normalize_message",
     "tokenize_conversation",
 ]
-
-ROLES = ("system", "user", "assistant")
 
 # ShareGPT and similar dumps name the speakers differently; everything maps onto the three roles a
 # chat template understands.  "chatgpt", "bing" and "bard" are the assistant in ShareGPT exports of

@@ -78,13 +78,6 @@ class VarlenBatch:
     def num_requests(self) -> int:
         return int(self.slots.shape[0])
 
-    def run_lengths(self) -> Tensor:
-        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-
-    def last_rows(self) -> Tensor:
-        """``[R]`` flat index of each request's last token."""
-        return self.cu_seqlens[1:] - 1
-
 
 def _tree_layout(parents: Sequence[Sequence[int]], lengths: list[int]) -> tuple[Tensor, Tensor]:
     """Per flat token: its depth in its run's tree and the bitmask of its ancestors-or-self."""
