@@ -195,6 +195,7 @@ def build_engine(case: Case, host: PluginHost, target=None, max_new_tokens: int 
         sampling=SamplingConfig(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p,
                                 max_new_tokens=new),
         engine=EngineConfig(max_batch=case.batch, max_context=32 + new + gamma),
+        trees=host.get(ComponentKind.VERIFIER, case.pipeline["verifier"][0]).metadata.trees,
     )
 
 

@@ -108,7 +108,7 @@ def calibrate(pipeline: Any, settings: CalibrateSettings, out_dir: str | Path, t
 
     from specforge.config import load_pipeline
     from specforge.engine import Engine, GenerationRequest
-    from specforge.engine.engine import drafter_identity
+    from specforge.engine.binding import drafter_identity
     from specforge.evalsets import apply_chat_template
     from specforge.plugins import get_host
     from specforge.target import TargetModel

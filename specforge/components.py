@@ -17,10 +17,11 @@ caller of the steps below, in this order; no component hands another one around.
 
 1. ``bind(target)`` — each component that has it (any kind) is sized from the target (vocabulary,
    hidden size, depth) and takes the target's frozen tensors it reads; a hardware-aware
-   scheduler reads the target's step curve on this machine.  A scheduler with
-   ``bind_draft_cost(measure)`` is then offered what drafting costs this pipeline on this machine
-   (``measure()`` returns a :class:`specforge.hardware.DraftCost`, measured once and cached; call
-   it only if you need it).
+   scheduler reads the target's step curve on this machine.  Once the engine is built, a
+   scheduler with ``bind_draft_cost(measure)`` is offered what drafting costs this pipeline on
+   this machine (``measure()`` returns a :class:`specforge.hardware.DraftCost`, measured once on
+   an engine of its own and cached; call it only if you need it).  The optional methods named
+   here are small protocols (:mod:`specforge.protocols`), checked when the engine binds.
 2. *Weights* — a drafter whose checkpoint also trained other components of the round lists them
    in ``companion_weights()`` (:class:`ComponentWeights` per pipeline slot); the engine gives each
    to that slot's component through its ``load_weights``.  A slot whose component is of another

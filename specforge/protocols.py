@@ -13,7 +13,7 @@ Which kinds may have which (the engine calls nothing else):
 ========================  ==========================================  ============================
 protocol                  method                                      kinds
 ========================  ==========================================  ============================
-:class:`Binds`            ``bind(target)``                            any
+:class:`Binds`            ``bind(target)``                            any but the verifier
 :class:`CompanionWeights` ``companion_weights() -> {slot: weights}``  drafter
 :class:`LoadsWeights`     ``load_weights(weights)``                   correction head, confidence
 :class:`Restricts`        ``restrict(token_rows)``                    correction head, confidence
@@ -113,7 +113,7 @@ OPTIONAL: dict[str, tuple[type, ...]] = {
     "confidence": (Binds, LoadsWeights, Restricts, SharesHead),
     "calibrator": (Binds, ObservesRounds),
     "scheduler": (Binds, DraftGate, DraftCostAware),
-    "verifier": (Binds,),
+    "verifier": (),
 }
 
 

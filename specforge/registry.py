@@ -62,7 +62,7 @@ class DrafterMeta(_Meta):
     # The training method (specforge.toolkit.training): a class with a ``config`` model, built
     # as ``training(config, target)``.  None: the drafter cannot be trained by ``specforge train``.
     training: Any = Field(None, exclude=True)
-    # Foreign layouts of its checkpoints (specforge.interop.CheckpointFormat): what `specforge
+    # Foreign layouts of its checkpoints (specforge.toolkit.formats.CheckpointFormat): what `specforge
     # export --to` writes and `specforge import` reads.
     formats: tuple[Any, ...] = Field((), exclude=True)
 
@@ -82,7 +82,8 @@ class DrafterMeta(_Meta):
         for f in value:
             missing = [a for a in ("name", "description", "export", "detect", "import_checkpoint") if not hasattr(f, a)]
             if missing:
-                raise ValueError(f"format {f!r} lacks {', '.join(missing)} (see specforge.interop.CheckpointFormat)")
+                raise ValueError(f"format {f!r} lacks {', '.join(missing)} "
+                                 "(see specforge.toolkit.formats.CheckpointFormat)")
         names = [f.name for f in value]
         if len(set(names)) != len(names):
             raise ValueError(f"formats: a name is given twice ({names})")

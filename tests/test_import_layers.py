@@ -32,10 +32,11 @@ PUBLIC = {"specforge", "specforge.hookspecs", "specforge.components", "specforge
 TOOLKIT = "specforge.toolkit"
 # Leaf modules of the runtime the toolkit may stand on (no specforge imports beyond each other and
 # the public layer): the projection's kernel plan and compiled-op registry, the batch layout and
-# the cache directory a step curve measures with and is kept in, the machine key.
-LEAVES = {"specforge.target", "specforge.target.batch", "specforge.target.loading", "specforge.target.linear_plan",
-          "specforge.target.bands", "specforge.target.compiled", "specforge.machine", "specforge_kernels",
-          "specforge_kernels.varlen_attention"}
+# the cache directory a step curve measures with and is kept in, the machine key, a target's shape
+# (ModelArgs) a checkpoint format checks a recorded target against.
+LEAVES = {"specforge.target", "specforge.target.args", "specforge.target.batch", "specforge.target.loading",
+          "specforge.target.linear_plan", "specforge.target.bands", "specforge.target.compiled", "specforge.machine",
+          "specforge_kernels", "specforge_kernels.varlen_attention"}
 # A plug-in's own method: the modules of one unit may import each other.  The packages'
 # registration modules (``__init__``) may import every unit below them.
 UNITS = [

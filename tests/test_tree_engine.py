@@ -39,7 +39,8 @@ def engine(target, host, drafter, verifier="greedy", temperature=0.0, new=16, ba
                   confidence=host.create_confidence("constant", {}), calibrator=host.create_calibrator("identity", {}),
                   scheduler=host.create_scheduler("fixed", {}),
                   sampling=SamplingConfig(temperature=temperature, max_new_tokens=new),
-                  engine=EngineConfig(max_batch=batch, max_context=96))
+                  engine=EngineConfig(max_batch=batch, max_context=96),
+                  trees=host.get(ComponentKind.VERIFIER, verifier).metadata.trees)
 
 
 def requests(new=16):
@@ -66,17 +67,12 @@ def test_greedy_tree_decoding_is_the_target_greedy_output(target, host, children
     assert sum(o.stats.accepted for o in outs) > 0
 
 
-def test_a_chain_only_verifier_is_refused_with_a_tree_drafter(target, host):
-    class ChainOnly:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms):
-            return self.inner.verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
-
+def test_a_verifier_not_registered_for_trees_is_refused_with_a_tree_drafter(target, host):
+    """Tree support is what the verifier's registration declares, whatever its ``verify`` takes."""
     e = engine(target, host, RandomTreeDrafter(RandomTreeConfig(branching=(2,))))
-    e.verifier = ChainOnly(e.verifier)
-    with pytest.raises(ConfigError, match="proposes token trees; the verifier ChainOnly verifies chains only"):
+    e.trees = False
+    with pytest.raises(ConfigError, match="proposes token trees; the verifier GreedyVerifier verifies chains only "
+                                          r"\(it is not registered with trees=True\)"):
         e.generate(requests()[:1])
 
 

@@ -39,8 +39,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specforge.components import ComponentWeights, DraftBlock, DraftContext, RoundOutcome, TargetFeatures, Verifier
+from specforge.components import DraftBlock, DraftContext, RoundOutcome, TargetFeatures, Verifier
 from specforge.config import EngineConfig, PipelineConfig, SamplingConfig
+from specforge.engine.binding import bind_components, check_calibrator, feature_taps
 from specforge.engine.draft_cost import machine_draft_cost
 from specforge.engine.request import (
     FinishReason,
@@ -51,8 +52,7 @@ from specforge.engine.request import (
 )
 from specforge.engine.stops import apply_token_stops, find_stop_string
 from specforge.errors import ConfigError
-from specforge.protocols import (Binds, CompanionWeights, DraftCostAware, DraftGate, LoadsWeights, ObservesRounds,
-                                 Restricts, SharesHead, check_optional)
+from specforge.protocols import DraftCostAware, DraftGate, ObservesRounds
 from specforge.registry import ComponentKind
 from specforge.sampling import NonFiniteError, SamplingParams, draw_uniforms, sampling_problem
 from specforge.target import TargetModel, VarlenBatch
@@ -126,10 +126,9 @@ class Engine:
             for name, part in (("confidence", confidence), ("calibrator", calibrator), ("scheduler", scheduler)):
                 if part is None:
                     raise ValueError(f"a drafter needs a {name}")
-            if bound:
-                self.taps = _taps(drafter, target)
-            else:
-                self._bind(drafter, correction_head, confidence, calibrator, scheduler)
+            parts = {"drafter": drafter, "correction_head": correction_head, "confidence": confidence,
+                     "calibrator": calibrator, "scheduler": scheduler, "verifier": verifier}
+            self.taps = feature_taps(drafter, target) if bound else bind_components(target, parts)
         self._queue: deque[tuple[int, GenerationRequest]] = deque()
         self._active: list[_Active] = []  # decoding
         self._prefilling: list[_Active] = []  # admitted, part of the prompt not yet in the cache
@@ -151,36 +150,6 @@ class Engine:
             # Last, on the finished engine: the measurement runs on an engine of its own.
             scheduler.bind_draft_cost(functools.partial(machine_draft_cost, self))
 
-    def _bind(self, drafter, correction_head, confidence, calibrator=None, scheduler=None) -> None:
-        """Lifecycle steps 1–2 (:mod:`specforge.components`): check every component's optional
-        methods (:mod:`specforge.protocols`), bind each that has ``bind`` to the target, then give
-        each the weights the drafter's checkpoint trained for it."""
-        target = self.target
-        parts = {"drafter": drafter, "correction_head": correction_head, "confidence": confidence,
-                 "calibrator": calibrator, "scheduler": scheduler, "verifier": self.verifier}
-        for slot, part in parts.items():
-            if part is not None:
-                check_optional(slot, part)
-        # Heads and estimators sized from the target (vocabulary, hidden size) build here; a
-        # hardware-aware scheduler reads the target's step curve on this machine.
-        for slot, part in parts.items():
-            if slot != "verifier" and isinstance(part, Binds):
-                part.bind(target)
-        companions = drafter.companion_weights() if isinstance(drafter, CompanionWeights) else {}
-        for slot, part in (("correction_head", correction_head), ("confidence", confidence)):
-            if slot in companions:
-                _load_companion(slot, part, companions[slot])
-        # A drafter that proposes from a draft vocabulary reads its heads' tables by draft id: a
-        # head that came without trained weights (no companion) is restricted to it here.
-        vocab = getattr(drafter, "draft_vocab", None)
-        if vocab is not None:
-            for slot, part in (("correction_head", correction_head), ("confidence", confidence)):
-                if slot not in companions and isinstance(part, Restricts):
-                    part.restrict(vocab.token_rows())
-        if isinstance(confidence, SharesHead):
-            confidence.share(correction_head)
-        self.taps = _taps(drafter, target)
-
     @classmethod
     def from_pipeline(cls, pipeline: PipelineConfig, target: TargetModel | None = None) -> Engine:
         """Build the target (unless given) and every component a validated pipeline names."""
@@ -188,7 +157,7 @@ class Engine:
         parts = {kind: (spec.create() if spec is not None else None) for kind, spec in pipeline.components.items()}
         drafter = parts[ComponentKind.DRAFTER]
         if drafter is not None:
-            _check_calibrator(parts[ComponentKind.CALIBRATOR], pipeline, drafter)
+            check_calibrator(parts[ComponentKind.CALIBRATOR], pipeline, drafter)
         return cls(
             target,
             parts[ComponentKind.VERIFIER],
@@ -591,17 +560,6 @@ def _prefill_chunk(setting: int | str, target: TargetModel) -> float:
     return int(setting)
 
 
-def _taps(drafter: Any, target: TargetModel) -> tuple[int, ...]:
-    """The target layers ``drafter`` reads (``feature_layers``, read after ``bind``: a drafter may
-    pick them from the target's depth), checked against the target's depth."""
-    taps = tuple(int(i) for i in (getattr(drafter, "feature_layers", ()) or ()))
-    depth = target.args.n_layers
-    bad = [i for i in taps if not 0 <= i < depth]
-    if bad:
-        raise ValueError(f"the drafter taps target layer {bad[0]}, but the target has {depth} layers (0..{depth - 1})")
-    return taps
-
-
 def _stack_taps(taps: dict[int, Tensor], layers: tuple[int, ...]) -> Tensor:
     """``{layer: [N, d]}`` → ``[N, m, d]`` in ``layers`` order."""
     return torch.stack([taps[i] for i in layers], dim=1)
@@ -609,35 +567,3 @@ def _stack_taps(taps: dict[int, Tensor], layers: tuple[int, ...]) -> Tensor:
 
 def _select(sampling: SamplingParams, rows: list[int]) -> SamplingParams:
     return SamplingParams(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows])
-
-
-def drafter_identity(pipeline: PipelineConfig, drafter: Any) -> dict[str, Any]:
-    """What identifies the drafter a calibrator's rounds came from: its name, checkpoint and γ."""
-    spec = pipeline.components[ComponentKind.DRAFTER]
-    return {"drafter": spec.name, "checkpoint": getattr(spec.params, "checkpoint", None),
-            "gamma": getattr(drafter, "gamma", None)}
-
-
-def _check_calibrator(calibrator: Any, pipeline: PipelineConfig, drafter: Any) -> None:
-    """A calibrator fitted on another drafter's rounds (``fitted_for``) is one clear error."""
-    fitted = getattr(calibrator, "fitted_for", None)
-    if not fitted:
-        return
-    mine = drafter_identity(pipeline, drafter)
-    wrong = [f"{k} {fitted.get(k)!r} (this pipeline: {v!r})" for k, v in mine.items() if k in fitted and fitted[k] != v]
-    if wrong:
-        raise ConfigError([f"calibrator: fitted on the rounds of another drafter — {', '.join(wrong)}; run "
-                           "`specforge calibrate` for this pipeline"])
-
-
-def _load_companion(slot: str, part: Any, weights: ComponentWeights) -> None:
-    """Give ``part`` (the pipeline's ``slot``) the weights a drafter's checkpoint trained for it."""
-    if part is None:
-        return
-    if type(part) is not weights.kind:
-        if isinstance(part, LoadsWeights):  # trained weights of another kind exist
-            raise ConfigError([f"{slot}.name: the drafter checkpoint {weights.source} trained a "
-                               f"{weights.kind.__name__} for this slot; the pipeline's is a {type(part).__name__} "
-                               "(choose the same kind, or one without weights such as 'none' to run without it)"])
-        return
-    part.load_weights(weights)

@@ -1,0 +1,92 @@
+"""Binding a pipeline's components to the target: lifecycle steps 1–2 of :mod:`specforge.components`.
+
+The engine calls :func:`bind_components` once, when it is built; a calibrator fitted on another
+drafter's rounds is refused before that (:func:`check_calibrator`).  Everything here runs before
+the first round, so the round loop (:mod:`specforge.engine.engine`) never looks at a component's
+optional methods except through its protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specforge.components import ComponentWeights
+from specforge.config import PipelineConfig
+from specforge.errors import ConfigError
+from specforge.protocols import Binds, CompanionWeights, LoadsWeights, Restricts, SharesHead, check_optional
+from specforge.registry import ComponentKind
+
+__all__ = ["bind_components", "check_calibrator", "drafter_identity", "feature_taps", "load_companion"]
+
+
+def bind_components(target: Any, parts: dict[str, Any]) -> tuple[int, ...]:
+    """Lifecycle steps 1–2 (:mod:`specforge.components`) for the pipeline's ``parts`` (by slot):
+    check every component's optional methods (:mod:`specforge.protocols`), bind each that has
+    ``bind`` to the target, then give each the weights the drafter's checkpoint trained for it.
+    Returns the target layers the drafter reads (:func:`feature_taps`)."""
+    drafter, correction_head, confidence = parts["drafter"], parts["correction_head"], parts["confidence"]
+    for slot, part in parts.items():
+        if part is not None:
+            check_optional(slot, part)
+    # Heads and estimators sized from the target (vocabulary, hidden size) build here; a
+    # hardware-aware scheduler reads the target's step curve on this machine.
+    for slot, part in parts.items():
+        if slot != "verifier" and isinstance(part, Binds):
+            part.bind(target)
+    companions = drafter.companion_weights() if isinstance(drafter, CompanionWeights) else {}
+    for slot, part in (("correction_head", correction_head), ("confidence", confidence)):
+        if slot in companions:
+            load_companion(slot, part, companions[slot])
+    # A drafter that proposes from a draft vocabulary reads its heads' tables by draft id: a
+    # head that came without trained weights (no companion) is restricted to it here.
+    vocab = getattr(drafter, "draft_vocab", None)
+    if vocab is not None:
+        for slot, part in (("correction_head", correction_head), ("confidence", confidence)):
+            if slot not in companions and isinstance(part, Restricts):
+                part.restrict(vocab.token_rows())
+    if isinstance(confidence, SharesHead):
+        confidence.share(correction_head)
+    return feature_taps(drafter, target)
+
+
+def feature_taps(drafter: Any, target: Any) -> tuple[int, ...]:
+    """The target layers ``drafter`` reads (``feature_layers``, read after ``bind``: a drafter may
+    pick them from the target's depth), checked against the target's depth."""
+    taps = tuple(int(i) for i in (getattr(drafter, "feature_layers", ()) or ()))
+    depth = target.args.n_layers
+    bad = [i for i in taps if not 0 <= i < depth]
+    if bad:
+        raise ValueError(f"the drafter taps target layer {bad[0]}, but the target has {depth} layers (0..{depth - 1})")
+    return taps
+
+
+def drafter_identity(pipeline: PipelineConfig, drafter: Any) -> dict[str, Any]:
+    """What identifies the drafter a calibrator's rounds came from: its name, checkpoint and γ."""
+    spec = pipeline.components[ComponentKind.DRAFTER]
+    return {"drafter": spec.name, "checkpoint": getattr(spec.params, "checkpoint", None),
+            "gamma": getattr(drafter, "gamma", None)}
+
+
+def check_calibrator(calibrator: Any, pipeline: PipelineConfig, drafter: Any) -> None:
+    """A calibrator fitted on another drafter's rounds (``fitted_for``) is one clear error."""
+    fitted = getattr(calibrator, "fitted_for", None)
+    if not fitted:
+        return
+    mine = drafter_identity(pipeline, drafter)
+    wrong = [f"{k} {fitted.get(k)!r} (this pipeline: {v!r})" for k, v in mine.items() if k in fitted and fitted[k] != v]
+    if wrong:
+        raise ConfigError([f"calibrator: fitted on the rounds of another drafter — {', '.join(wrong)}; run "
+                           "`specforge calibrate` for this pipeline"])
+
+
+def load_companion(slot: str, part: Any, weights: ComponentWeights) -> None:
+    """Give ``part`` (the pipeline's ``slot``) the weights a drafter's checkpoint trained for it."""
+    if part is None:
+        return
+    if type(part) is not weights.kind:
+        if isinstance(part, LoadsWeights):  # trained weights of another kind exist
+            raise ConfigError([f"{slot}.name: the drafter checkpoint {weights.source} trained a "
+                               f"{weights.kind.__name__} for this slot; the pipeline's is a {type(part).__name__} "
+                               "(choose the same kind, or one without weights such as 'none' to run without it)"])
+        return
+    part.load_weights(weights)
