@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from specforge import hookimpl
-from specforge.files import write_atomic
+from specforge.resume import UnreadableRecord, differences, read_record, write_record
 
 __all__ = ["add_arguments", "run"]
 
@@ -66,19 +65,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          help="reports written by `specforge conformance --out` (one seed or several)")
 
 
-def _write(path: str, payload: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(payload, indent=2))  # a killed multi-seed run keeps whole files only
-
-
 def _emit(args, payload: dict, text: str) -> None:
     if args.out:
-        _write(args.out, payload)
+        write_record(args.out, payload)  # atomic: a killed multi-seed run keeps whole files only
     print(json.dumps(payload, indent=2) if args.json else text)
 
 
 def _progress(message: str) -> None:
     pass
+
+
+def _previous(out: str | None) -> dict:
+    """What an interrupted run with the same ``--out`` left there ({} when there is nothing to
+    pick up: the run starts over)."""
+    try:
+        return (read_record(out) if out else None) or {}
+    except UnreadableRecord as exc:
+        print(f"{exc}; starting over", file=sys.stderr)
+        return {}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,18 +116,17 @@ def _run_seeds(args: argparse.Namespace, tier: str) -> int:
 
     wanted = [args.seed + k for k in range(args.seeds)]
     done: dict[int, dict] = {}
-    if args.out and Path(args.out).is_file():
+    previous = _previous(args.out)
+    if previous:
+        # a seed run on other code says nothing about this code: run again, not pooled
+        same = {"tier": tier, "n": args.n}
         code, stale = code_fingerprint(), 0
-        try:
-            previous = json.loads(Path(args.out).read_text())
-            for rec in previous.get("seeds", []):
-                if rec.get("tier") == tier and rec.get("seed") in wanted and rec.get("n") == args.n:
-                    if rec.get("code") != code:  # run on other code: it says nothing about this code
-                        stale += 1
-                        continue
+        for rec in previous.get("seeds", []):
+            if isinstance(rec, dict) and rec.get("seed") in wanted and not differences(rec, same):
+                if rec.get("code") != code:
+                    stale += 1
+                else:
                     done[rec["seed"]] = rec
-        except (ValueError, KeyError, TypeError) as exc:
-            print(f"{args.out}: unreadable ({exc}); starting over", file=sys.stderr)
         if stale:
             print(f"{args.out}: {stale} seeds were run on other code (fingerprint is now {code}); "
                   "they are run again", file=sys.stderr)
@@ -133,8 +136,8 @@ def _run_seeds(args: argparse.Namespace, tier: str) -> int:
     def save() -> None:
         if args.out:
             recs = [done[s] for s in wanted if s in done]
-            _write(args.out, {"seeds": recs, "passed": all(r["passed"] for r in recs),
-                              "complete": len(recs) == len(wanted)})
+            write_record(args.out, {"seeds": recs, "passed": all(r["passed"] for r in recs),
+                                    "complete": len(recs) == len(wanted)})
 
     explanations = {}
     for seed in wanted:
@@ -203,18 +206,19 @@ def _run_controls(args: argparse.Namespace) -> int:
     seeds = args.seeds or 20
     names = args.controls or [*controls.SUBTLE, *controls.CONTROL_CASES]
     resume = {}
-    if args.out and Path(args.out).is_file():
+    previous = _previous(args.out)
+    if previous:
         try:
-            resume = resumable(json.loads(Path(args.out).read_text()), names, args.n)
-        except (ValueError, KeyError, TypeError) as exc:
+            resume = resumable(previous, names, args.n)
+        except (KeyError, TypeError, ValueError) as exc:
             print(f"{args.out}: unreadable ({exc}); starting over", file=sys.stderr)
         if resume:
             print(f"{args.out}: resuming {', '.join(resume)}", file=sys.stderr)
 
     def partial(done, in_progress):
         if args.out:
-            _write(args.out, {"controls": [r.to_dict() for r in done], "in_progress": in_progress,
-                              "passed": all(r.ok for r in done), "complete": False})
+            write_record(args.out, {"controls": [r.to_dict() for r in done], "in_progress": in_progress,
+                                    "passed": all(r.ok for r in done), "complete": False})
 
     reports = run_controls(names, seeds=seeds, n=args.n, progress=lambda m: print(m, file=sys.stderr),
                            on_report=partial, resume=resume)

@@ -9,10 +9,11 @@ carries this fingerprint; a resumed run keeps only the seeds of its own fingerpr
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 from functools import lru_cache
 from pathlib import Path
+
+from specforge.resume import tree_digest
 
 __all__ = ["PACKAGES", "code_fingerprint", "fingerprint_of"]
 
@@ -31,16 +32,6 @@ def code_fingerprint() -> str:
 
 
 def fingerprint_of(roots: dict[str, list[Path]]) -> str:
-    """16 hex digits of the SHA-256 of every ``.py`` file under each package's directories (its
-    name, relative path and bytes), in path order: the same code gives the same fingerprint on
-    any machine or checkout."""
-    digest = hashlib.sha256()
-    for package, dirs in roots.items():
-        for root in dirs:
-            for path in sorted(Path(root).rglob("*.py")):
-                if "__pycache__" in path.parts:
-                    continue
-                digest.update(f"{package}/{path.relative_to(root).as_posix()}\0".encode())
-                digest.update(path.read_bytes())
-                digest.update(b"\0")
-    return digest.hexdigest()[:16]
+    """16 hex digits of the :func:`~specforge.resume.tree_digest` of every ``.py`` file under each
+    package's directories: the same code gives the same fingerprint on any machine or checkout."""
+    return tree_digest(roots, ".py")[:16]

@@ -1,6 +1,7 @@
 """Shipped correction heads: ``none``, the identity (a parallel drafter drafts unbiased), and
-DSpark's trainable ``markov``, ``gated`` and ``rnn`` heads (docs/design/drafters.md; implemented in
-:mod:`specforge_plugins.heads`)."""
+DSpark's trainable ``markov``, ``gated`` and ``rnn`` heads (docs/design/drafters.md; the networks are
+the toolkit's, :mod:`specforge.toolkit.heads`: block drafters train them and save them in their
+checkpoints)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any
 from torch import Tensor
 
 from specforge import hookimpl
-from specforge_plugins.heads import GatedHead, HeadConfig, MarkovHead, RnnHead
+from specforge.toolkit.heads import GatedHead, HeadConfig, MarkovHead, RnnHead
 
-__all__ = ["GatedHead", "HeadConfig", "MarkovHead", "NoCorrection", "RnnHead"]
+__all__ = ["NoCorrection"]
 
 
 class NoCorrection:

@@ -17,8 +17,8 @@ import time
 import torch
 
 from specforge.target import TargetModel
-from specforge.target.model import onednn_linear
 from specforge.target.quantized import GROUP, Int4Projection, Q8Projection
+from specforge.toolkit.projection import onednn_linear
 
 
 def _kernel(proj: Int4Projection | Q8Projection, x: torch.Tensor) -> None:

@@ -22,7 +22,8 @@ import torch
 from specforge.machine import machine
 from specforge.training.checkpoint import latest_checkpoint
 from specforge.training.curve import learning_curve, plot_learning_curve
-from specforge_plugins.drafters.block.checkpoint import CONFIG, WEIGHTS, load_drafter, save_drafter
+from specforge.toolkit.checkpoints import CONFIG, WEIGHTS
+from specforge_plugins.drafters.block.checkpoint import load_drafter, save_drafter
 
 SHIPPED = Path(__file__).resolve().parents[1] / "plugins" / "drafters" / "shipped"
 

@@ -59,7 +59,7 @@ def specforge_register_drafters(register):
     :class:`~specforge.components.DraftBlock` fields it fills among ``"probs"``, ``"logits"``,
     ``"hidden"``; ``uses_correction_head`` (bool) — it runs the pipeline's correction head,
     handed over each round as ``DraftContext.correction_head`` (if not, only identity heads
-    combine with it); ``training`` — a training method (:mod:`specforge.training.contract`): a
+    combine with it); ``training`` — a training method (:mod:`specforge.toolkit.training`): a
     class with a pydantic ``config`` model, which makes the drafter trainable by
     ``specforge train drafter.name=<name>`` (shown as ``trainable`` by ``specforge plugins``).
     """

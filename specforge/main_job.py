@@ -23,7 +23,6 @@ command line prints it on one line.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -33,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from specforge.errors import SpecforgeError
+from specforge.resume import UnreadableRecord, differences, read_record, tree_digest
 
-__all__ = ["DEFAULT_COMPARE", "MainJobError", "drafter_fingerprint", "run_main_job"]
+__all__ = ["DEFAULT_COMPARE", "MainJobError", "drafter_fingerprint", "run_main_job", "summary"]
 
 # What a user compares a freshly trained drafter with: prompt lookup (no training) and the
 # drafter shipped for the embedded target.
@@ -70,30 +70,27 @@ def _say(msg: str) -> None:
 
 
 def drafter_fingerprint(directory: Path) -> str:
-    """SHA-256 over a drafter directory's files (names and bytes): which weights were evaluated."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        h.update(path.relative_to(directory).as_posix().encode())
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    """The digest of a drafter directory's files (names and bytes): which weights were evaluated."""
+    return tree_digest({"drafter": [directory]})
 
 
-def _reusable(path: Path, fingerprint: str, settings: dict[str, Any], pipeline: dict[str, Any],
-              compare: dict[str, Any]) -> dict | None:
-    if not path.is_file():
-        return None
+def _reusable(path: Path, made_with: dict[str, Any], say: Callable[[str], None]) -> dict | None:
+    """The evaluation in ``path`` if it was made with exactly ``made_with`` (drafter digest,
+    settings, pipeline, comparison arms); None when it must be made (again)."""
     try:
-        old = json.loads(path.read_text())
-    except ValueError:
+        old = read_record(path)
+    except UnreadableRecord:
         return None
-    meta = old.get("main_job", {})
-    if (meta.get("drafter_sha256") == fingerprint and old.get("settings") == settings
-            and old.get("pipeline") == pipeline
-            and {k: v["pipeline"] for k, v in old.get("compare", {}).items()} == compare):
-        return old
-    return None
+    if old is None:
+        return None
+    recorded = {"drafter_sha256": old.get("main_job", {}).get("drafter_sha256"), "settings": old.get("settings"),
+                "pipeline": old.get("pipeline"),
+                "compare": {k: v.get("pipeline") for k, v in (old.get("compare") or {}).items()}}
+    changed = differences(recorded, made_with)
+    if changed:
+        say(f"evaluating again: {path} was made with another {', '.join(changed)}")
+        return None
+    return old
 
 
 def run_main_job(train_sources: Sequence[str] = ("quick",), overrides: Sequence[str] = (),
@@ -157,8 +154,9 @@ def run_main_job(train_sources: Sequence[str] = ("quick",), overrides: Sequence[
             else:
                 arms[label] = arm
         fingerprint = drafter_fingerprint(out / "drafter")
-        result = _reusable(eval_dir / "eval.json", fingerprint, settings.to_dict(), pipeline.to_dict(),
-                           {k: v.to_dict() for k, v in arms.items()})
+        result = _reusable(eval_dir / "eval.json", {
+            "drafter_sha256": fingerprint, "settings": settings.to_dict(), "pipeline": pipeline.to_dict(),
+            "compare": {k: v.to_dict() for k, v in arms.items()}}, say)
         if result is not None:
             say(f"reusing {eval_dir / 'eval.json'} (same drafter, same settings)")
         else:
@@ -189,3 +187,23 @@ def _train_summary(out: Path) -> dict[str, Any]:
                 held = rec
     keep = ("step", "loss", "tau", "accept_rate@1")
     return {"train": {k: last[k] for k in keep if k in last}, "held_out": {k: held[k] for k in keep if k in held}}
+
+
+def summary(result: dict[str, Any]) -> str:
+    """What ``specforge run`` prints: the drafter trained, the evaluation table, every comparison
+    arm beside it, and where the time went."""
+    from specforge.evaluation import comparison_table, table
+
+    job = result["main_job"]
+    tr = job["training"]
+    lines = [f"drafter: {job['output_dir']}/drafter — trained {tr['train'].get('step', '?')} steps, "
+             f"final train loss {tr['train'].get('loss', float('nan')):.3f}"
+             + (f", held-out τ̂ {tr['held_out']['tau']:.2f}" if "tau" in tr.get("held_out", {}) else ""),
+             table(result)]
+    if "compare" in result:
+        lines += ["\nSame prompts, same run — τ and speedup over plain decoding of every arm:",
+                  comparison_table(result, label="trained")]
+    secs = job["seconds"]
+    lines.append(f"time: data {secs['data_s']:.0f} s, training {secs['training_s']:.0f} s, evaluation "
+                 f"{secs['eval_s']:.0f} s; plot {job['output_dir']}/eval/acceptance.png")
+    return "\n".join(lines)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge.files import file_problem
-from specforge.interop import InteropError
+from specforge.toolkit.formats import InteropError
 
 __all__ = ["BASE_MODELS", "export_hf", "model_card"]
 
@@ -38,6 +38,8 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def _tau_section(evaluation: dict[str, Any] | None, source: str | None) -> list[str]:
+    # Imported on the call: the evaluation package loads its runner and the engine, which a card
+    # without a τ table — and every other export — never needs.
     from specforge.evaluation.report import table
 
     if evaluation is None:
@@ -83,9 +85,9 @@ def model_card(meta: dict[str, Any], evaluation: dict[str, Any] | None = None,
              "## Training data", "",
              f"```json\n{json.dumps(data, indent=2)}\n```" if data else "Not recorded in the checkpoint.", "",
              "## Use", "",
-             f"- specforge: `specforge generate --config default drafter.name={method} drafter.checkpoint=<this folder> "
-             "\"…\"`",
-             f"- other engines: `specforge export <this folder> --to FORMAT --out DIR` (the layouts: "
+             f"- specforge: `specforge generate --config default drafter.name={method} "
+             "drafter.checkpoint=<this folder> \"…\"`",
+             "- other engines: `specforge export <this folder> --to FORMAT --out DIR` (the layouts: "
              "`specforge plugins --json`, `checkpoint_formats`)", "",
              "## Acceptance", "", *_tau_section(evaluation, eval_source), "",
              "## Conformance", "", *_conformance_section(conformance, conformance_source), "",
@@ -113,5 +115,5 @@ def export_hf(source: Path, out: Path, evaluation: str | Path | None = None,
     for name in ["config.json", *files]:
         shutil.copy2(source / name, out / name)
     (out / "README.md").write_text(card)
-    return [] if ev and conf else [f"the model card has no {' and no '.join(w for w, d in (('τ table', ev), ('conformance result', conf)) if not d)}"
-                                   " (pass --eval / --conformance)"]
+    missing = [what for what, doc in (("τ table", ev), ("conformance result", conf)) if not doc]
+    return [f"the model card has no {' and no '.join(missing)} (pass --eval / --conformance)"] if missing else []

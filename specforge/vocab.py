@@ -82,7 +82,7 @@ class DraftVocab:
     @classmethod
     def from_data(cls, counts: Tensor | None, size: int) -> tuple[DraftVocab, float]:
         """A training method's draft vocabulary: the ``size`` most frequent supervised tokens of
-        its data (``counts [V]``, :attr:`~specforge.training.contract.DataSummary.token_counts`)
+        its data (``counts [V]``, :attr:`~specforge.toolkit.training.DataSummary.token_counts`)
         and the share of those tokens it covers."""
         if counts is None:
             raise ValueError("a draft vocabulary needs the data's token counts")

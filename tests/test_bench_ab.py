@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from specforge.bench.ab import ARMS, ratios, save, table
+from specforge.bench.ab import ARMS, REPORT, ratios, table
+from specforge.bench.runner import save
 
 
 def specforge(*args: str) -> subprocess.CompletedProcess:
@@ -40,7 +41,7 @@ def test_an_arm_names_its_kv_cache_dtype(tmp_path, monkeypatch):
                        max_new_tokens=3)
     assert result["kv_dtype"] == {"eager-plain:model": "bfloat16", "eager-plain:float32": "float32"}
     assert len(result["tok_s"]["eager-plain:float32"]) == 2
-    assert ab.save(result, tmp_path).name == "ab-eager-plain=model-eager-plain=float32-c2.json"
+    assert save(ab.REPORT, result, tmp_path)[0].name == "ab-eager-plain=model-eager-plain=float32-c2.json"
 
 
 def test_an_arm_names_its_precision(tmp_path, monkeypatch):
@@ -61,7 +62,7 @@ def test_an_arm_names_its_precision(tmp_path, monkeypatch):
     assert {a: p["label"] for a, p in result["precision"].items()} == {
         "eager-plain/float32": "float32", "eager-plain/bfloat16": "bfloat16"}
     assert result["machine"]["cpu_capability"] and len(result["tok_s"]["hf/float32"]) == 2
-    assert ab.save(result, tmp_path).name == "ab-eager-plain@float32-eager-plain@bfloat16-hf@float32-c2.json"
+    assert save(ab.REPORT, result, tmp_path)[0].name == "ab-eager-plain@float32-eager-plain@bfloat16-hf@float32-c2.json"
 
 
 def test_a_baseline_outside_the_arms_is_refused_before_anything_loads():
@@ -82,4 +83,4 @@ def test_ratios_divide_by_the_baseline_of_the_same_trial(tmp_path):
     lines = table(result).splitlines()
     assert lines[0].split()[:3] == ["arm", "tok/s", "median"] and "÷ hf median" in lines[0]
     assert lines[3].split()[:3] == ["eager-plain", "10.0", "2.00"]
-    assert save(result, tmp_path).name == "ab-hf-eager-plain-c1.json"
+    assert save(REPORT, result, tmp_path)[0].name == "ab-hf-eager-plain-c1.json"

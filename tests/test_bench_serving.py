@@ -95,5 +95,5 @@ def test_an_unfinished_run_resumes_at_its_next_concurrency_and_refuses_other_set
     assert {(x["arm"], x["concurrency"]) for x in result["records"]} == {(a, c) for a in ("plain", "fixed-2")
                                                                          for c in (1, 2)}
     assert result["complete"] is True and all("vs_plain" in x for x in result["records"])
-    with pytest.raises(ServingResumeError, match=r"max_new_tokens \(4, now 5\)"):
+    with pytest.raises(ServingResumeError, match=r"max_new_tokens: 4 on disk, 5 now"):
         run_serving_benchmark(concurrency=(1, 2), resume=saved[0], **{**kw, "max_new_tokens": 5})

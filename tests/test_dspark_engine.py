@@ -273,8 +273,8 @@ def test_a_bf16_checkpoint_runs_in_float32_with_the_same_greedy_output(target, h
     ``target.dtype: auto`` picks where float32 is faster — computes in float32 on the stored
     values widened exactly: it drafts as a float32 checkpoint of those values does, and greedy
     speculation still gives plain greedy decoding's tokens."""
+    from specforge.toolkit.checkpoints import read_checkpoint, write_checkpoint
     from specforge_plugins.drafters.block.checkpoint import FORMAT, VERSION
-    from specforge_plugins.drafters.checkpoints import read_checkpoint, write_checkpoint
 
     fresh = make_engine(target, host, drafter=host.create_drafter("dspark", {"gamma": 4, "layers": 2, "seed": 5}))
     save_drafter(tmp_path / "f32", fresh.drafter.backbone, fresh.correction_head)

@@ -12,18 +12,19 @@ import torch
 
 from specforge.components import ConfidenceEstimator, CorrectionHead, DraftBlock
 from specforge.plugins import PluginHost
-from specforge.training.losses import dspark_loss, position_weights, teacher_probs, valid_prefix
-from specforge_plugins.confidence import DSparkConfidence, DSparkHeadConfig
+from specforge.toolkit.checkpoints import DrafterCheckpointError
+from specforge.toolkit.confidence_head import DSparkConfidence, DSparkHeadConfig
+from specforge.toolkit.heads import HEADS, HeadConfig
+from specforge.toolkit.layers import SharedWeights
+from specforge.toolkit.losses import dspark_loss, position_weights, teacher_probs, valid_prefix
 from specforge_plugins.drafters.block import (
     MASK,
     BlockBackbone,
     BlockDrafterConfig,
-    SharedWeights,
     block_attention_mask,
     default_tap_layers,
 )
-from specforge_plugins.drafters.block.checkpoint import DrafterCheckpointError, load_drafter, save_drafter
-from specforge_plugins.heads import HEADS, HeadConfig
+from specforge_plugins.drafters.block.checkpoint import load_drafter, save_drafter
 
 D, V, GAMMA, L = 32, 40, 4, 8
 R = 3  # blocks
@@ -353,7 +354,8 @@ def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path, damage):
 
 
 def test_shipped_names_resolve_inside_the_package_and_unknown_ones_list_the_shipped():
-    from specforge_plugins.drafters.shipped import resolve_checkpoint, shipped_drafters
+    from specforge.toolkit.checkpoints import resolve_checkpoint
+    from specforge_plugins.drafters.shipped import shipped_drafters
 
     assert resolve_checkpoint("runs/quick/drafter") == Path("runs/quick/drafter")
     for name, path in shipped_drafters().items():
@@ -395,7 +397,7 @@ def test_packed_backbone_matches_the_unpacked_one_in_bf16():
 
 
 def test_the_context_cache_appends_many_requests_at_once_and_reuses_slots():
-    from specforge_plugins.drafters.block.context import ContextCache
+    from specforge.toolkit.context_cache import ContextCache
 
     cache = ContextCache(n_layers=2, kv_heads=1, head_dim=2, dtype=torch.float32)
 

@@ -14,11 +14,11 @@ from specforge.engine import Engine, GenerationRequest
 from specforge.features import compute_features
 from specforge.plugins import PluginHost
 from specforge.target import TargetModel
+from specforge.toolkit.checkpoints import DrafterCheckpointError
+from specforge.toolkit.training import TrainBatch
 from specforge.training.config import TrainConfig
-from specforge.training.contract import TrainBatch
 from specforge.training.data import MemorySource
 from specforge.training.trainer import Trainer
-from specforge_plugins.drafters.checkpoints import DrafterCheckpointError
 from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter, eagle3_layers
 from specforge_plugins.drafters.eagle3.training import _Module
 from tiny_models import tiny_model
@@ -45,7 +45,8 @@ def engine(target, host, drafter, temperature=0.0, new=12, batch=3, verifier="re
                   confidence=host.create_confidence("constant", {}), calibrator=host.create_calibrator("identity", {}),
                   scheduler=host.create_scheduler("fixed", {}),
                   sampling=SamplingConfig(temperature=temperature, max_new_tokens=new),
-                  engine=EngineConfig(max_batch=batch, max_context=96))
+                  engine=EngineConfig(max_batch=batch, max_context=96),
+                  trees=host.get("verifier", verifier).metadata.trees)
 
 
 def requests(new=12):
@@ -258,7 +259,6 @@ def test_a_dynamic_tree_keeps_greedy_parity(target, host, verifier):
 def test_the_ttt_loss_is_soft_cross_entropy_against_the_target_law_weighted_by_step(tmp_path):
     """Σ_k 0.8^(k−1)·(−Σ_x p_t,k(x)·log q_k(x)) per block, averaged over the blocks whose first
     step is supervised (an anchor at position 0 has no row before it) — by hand on tiny tensors."""
-    from specforge.training.contract import TrainBatch
     from specforge_plugins.drafters.eagle3.training import Eagle3TrainConfig, Eagle3Training
 
     target = tiny_target()

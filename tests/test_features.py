@@ -12,6 +12,7 @@ import torch
 
 from specforge.features import (
     CacheIntegrityError,
+    CacheManifest,
     CacheMismatchError,
     FeatureCache,
     LayerRangeError,
@@ -168,19 +169,19 @@ def test_killed_write_resumes_to_identical_content(target, tmp_path, monkeypatch
 def test_shard_written_but_not_recorded_is_adopted(target, tmp_path, monkeypatch):
     seqs = make_sequences(4)
     reference = snapshot(write(target, seqs, tmp_path / "ref").directory)
-    real = cache_mod._write_manifest
+    real = CacheManifest.save
     calls = []
 
-    def dies_before_recording_shard_1(directory, manifest):
+    def dies_before_recording_shard_1(manifest, directory):
         calls.append(1)
         if len(calls) == 3:  # initial manifest, shard 0 recorded, shard 1 renamed but not recorded
             raise KeyboardInterrupt
-        real(directory, manifest)
+        real(manifest, directory)
 
-    monkeypatch.setattr(cache_mod, "_write_manifest", dies_before_recording_shard_1)
+    monkeypatch.setattr(CacheManifest, "save", dies_before_recording_shard_1)
     with pytest.raises(KeyboardInterrupt):
         write(target, seqs, tmp_path / "c")
-    monkeypatch.setattr(cache_mod, "_write_manifest", real)
+    monkeypatch.setattr(CacheManifest, "save", real)
     assert (tmp_path / "c" / "shard-00001.safetensors").exists()
     write(target, seqs, tmp_path / "c")
     assert snapshot(tmp_path / "c") == reference

@@ -14,12 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specforge.interop import InteropError, export_checkpoint, import_checkpoint
+from specforge.interop import export_checkpoint, import_checkpoint
 from specforge.target import TargetModel
+from specforge.toolkit.formats import InteropError
 from specforge.vocab import DraftVocab
-from specforge_plugins.drafters.block.model import SharedWeights
+from specforge.toolkit.layers import SharedWeights
 from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, save_eagle3
-from interop_cases import PICKLE_REFUSED, assert_imports_refused, pickle_only
+from interop_cases import (PICKLE_REFUSED, assert_export_refused, assert_imports_refused, broken_copy,
+                           pickle_only)
 from tiny_models import tiny_model
 
 SERVING_KEYS = {
@@ -128,15 +130,7 @@ def test_bad_input_is_one_error_naming_the_file_and_nothing_is_written(checkpoin
     export_checkpoint(source, "vllm", good)
 
     def broken(name: str, change) -> Path:
-        d = tmp_path / name
-        d.mkdir()
-        config = json.loads((good / "config.json").read_text())
-        tensors = load_file(str(good / "model.safetensors"))
-        change(config, tensors)
-        (d / "config.json").write_text(json.dumps(config))
-        if tensors is not None:
-            save_file(tensors, str(d / "model.safetensors"))
-        return d
+        return broken_copy(good, tmp_path / name, change)
 
     cases = [
         (broken("missing", lambda c, t: t.pop("midlayer.self_attn.o_proj.weight")),
@@ -148,9 +142,8 @@ def test_bad_input_is_one_error_naming_the_file_and_nothing_is_written(checkpoin
     ]
     cases.append((pickle_only(tmp_path / "pickled", {}), PICKLE_REFUSED))
     assert_imports_refused(cases, tmp_path, target)
-    with pytest.raises(InteropError, match=r"eagle3 exports to vllm, sglang, deepspec, eagle, hf, not 'medusa-1'"):
-        export_checkpoint(source, "medusa-1", tmp_path / "ds")
-    assert not (tmp_path / "ds").exists()
+    assert_export_refused(source, "medusa-1", tmp_path / "ds",
+                          r"eagle3 exports to vllm, sglang, deepspec, eagle, hf, not 'medusa-1'")
 
 
 def test_the_commands(checkpoint, tmp_path):
@@ -210,8 +203,8 @@ def test_medusa_exports_and_imports_back_bit_for_bit(medusa_checkpoints, tmp_pat
 
 def test_a_draft_vocabulary_cannot_go_to_fasterdecoding_and_a_missing_head_is_named(medusa_checkpoints, tmp_path,
                                                                                       target):
-    with pytest.raises(InteropError, match=r"a draft vocabulary of 30 tokens; FasterDecoding's heads"):
-        export_checkpoint(medusa_checkpoints["vocab"], "medusa-1", tmp_path / "m1")
+    assert_export_refused(medusa_checkpoints["vocab"], "medusa-1", tmp_path / "m1",
+                          r"a draft vocabulary of 30 tokens; FasterDecoding's heads")
     out = tmp_path / "v"
     export_checkpoint(medusa_checkpoints["whole"], "vllm", out)
     tensors = load_file(str(out / "model.safetensors"))
@@ -247,8 +240,20 @@ def test_hf_export_is_the_checkpoint_with_a_model_card_and_refuses_a_corrupt_one
     data = bytearray((corrupt / "model.safetensors").read_bytes())
     data[-1] ^= 1
     (corrupt / "model.safetensors").write_bytes(bytes(data))
-    with pytest.raises(InteropError, match=r"model.safetensors is corrupt"):
-        export_checkpoint(corrupt, "hf", tmp_path / "never")
-    assert not (tmp_path / "never").exists()
-    with pytest.raises(InteropError, match=r"not a `specforge eval` result"):
-        export_checkpoint(source, "hf", tmp_path / "never", evaluation=tmp_path / "conf.json")
+    assert_export_refused(corrupt, "hf", tmp_path / "never", r"model.safetensors is corrupt")
+    assert_export_refused(source, "hf", tmp_path / "never", r"not a `specforge eval` result",
+                          evaluation=tmp_path / "conf.json")
+
+
+def test_the_format_api_and_the_model_card_import_no_job_and_no_host():
+    """A format author's module imports only low-level specforge modules (docs/interop.md), and the
+    jobs depend on the model card, not the other way round: importing either drags in none of
+    the host, the pipeline config, the engine, the evaluation or the export/import jobs."""
+    code = ("import sys, specforge.toolkit.formats, specforge.model_card; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('specforge'))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = set(r.stdout.split())
+    forbidden = {"specforge.plugins", "specforge.config", "specforge.engine", "specforge.evaluation",
+                 "specforge.interop", "specforge.target"}
+    assert not loaded & forbidden, sorted(loaded & forbidden)

@@ -14,15 +14,18 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specforge.interop import InteropError, export_checkpoint, import_checkpoint
+from specforge.interop import export_checkpoint, import_checkpoint
 from specforge.target import TargetModel
 from specforge.vocab import DraftVocab
-from specforge_plugins.confidence import DSparkConfidence, DSparkHeadConfig
-from specforge_plugins.drafters.block import MASK, BlockBackbone, BlockDrafterConfig, SharedWeights
+from specforge.toolkit.confidence_head import DSparkConfidence, DSparkHeadConfig
+from specforge.toolkit.heads import HEADS, HeadConfig
+from specforge.toolkit.layers import SharedWeights
+from specforge_plugins.drafters.block import MASK, BlockBackbone, BlockDrafterConfig
 from specforge_plugins.drafters.block.checkpoint import save_drafter
-from specforge_plugins.drafters.dspark import DFlashConfig, DFlashDrafter, DSparkConfig, DSparkDrafter
-from specforge_plugins.heads import HEADS, HeadConfig
-from interop_cases import PICKLE_REFUSED, assert_imports_refused, pickle_only
+from specforge_plugins.drafters.dflash import DFlashConfig, DFlashDrafter
+from specforge_plugins.drafters.dspark import DSparkConfig, DSparkDrafter
+from interop_cases import (PICKLE_REFUSED, assert_export_refused, assert_imports_refused, broken_copy,
+                           pickle_only)
 from tiny_models import save_tiny, tiny_model
 
 V, L, R, TAPS, MASK_ID = 96, 8, 8, (1, 3, 5), 7
@@ -374,9 +377,7 @@ def test_a_bfloat16_deepspec_checkpoint_keeps_its_dtype(target_dir, tmp_path):
     ("dflash", "deepspec", r"dflash exports to vllm, hf, not 'deepspec'"),
 ])
 def test_a_layout_that_cannot_be_exact_is_refused(drafters, tmp_path, name, fmt, message):
-    with pytest.raises(InteropError, match=message):
-        export_checkpoint(drafters[name], fmt, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert_export_refused(drafters[name], fmt, tmp_path / "out", message)
 
 
 def test_bad_input_is_one_error_naming_the_file_and_nothing_is_written(drafters, target, tmp_path):
@@ -386,13 +387,7 @@ def test_bad_input_is_one_error_naming_the_file_and_nothing_is_written(drafters,
     export_checkpoint(drafters["vocab"], "vllm", vocab)
 
     def broken(good: Path, name: str, change) -> Path:
-        d = tmp_path / name
-        d.mkdir()
-        config, tensors = json.loads((good / "config.json").read_text()), load_file(str(good / "model.safetensors"))
-        change(config, tensors)
-        (d / "config.json").write_text(json.dumps(config))
-        save_file(tensors, str(d / "model.safetensors"))
-        return d
+        return broken_copy(good, tmp_path / name, change)
 
     cases = [
         (broken(vllm, "missing", lambda c, t: t.pop("layers.1.self_attn.k_norm.weight")),
@@ -454,9 +449,8 @@ def test_a_target_that_scales_its_embeddings_is_refused(tmp_path):
     save_drafter(tmp_path / "d", BlockBackbone(c, SharedWeights.from_target(gemma.runtime), seed=5), None, None,
                  {"kind": "dspark"}, method="dspark", target=str(gemma_dir))
     for fmt in ("deepspec", "vllm"):
-        with pytest.raises(InteropError, match=r"its target \(gemma\) scales its embeddings by 8 .* unscaled"):
-            export_checkpoint(tmp_path / "d", fmt, tmp_path / fmt)
-        assert not (tmp_path / fmt).exists()
+        assert_export_refused(tmp_path / "d", fmt, tmp_path / fmt,
+                              r"its target \(gemma\) scales its embeddings by 8 .* unscaled")
 
 
 # -- sgl-project SpecForge's DFlash checkpoint (DFlashDraftModel: its --to hf export, normalised) ----------

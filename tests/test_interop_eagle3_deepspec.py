@@ -18,16 +18,18 @@ from safetensors.torch import load_file, save_file
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.features import compute_features
-from specforge.interop import InteropError, export_checkpoint, import_checkpoint
+from specforge.interop import export_checkpoint, import_checkpoint
 from specforge.plugins import PluginHost
 from specforge.target import TargetModel
-from specforge.training.contract import DataSummary
+from specforge.toolkit.formats import InteropError
+from specforge.toolkit.training import DataSummary
 from specforge.vocab import DraftVocab
-from specforge_plugins.drafters.block.model import SharedWeights
+from specforge.toolkit.layers import SharedWeights
 from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, load_eagle3, save_eagle3
 from specforge_plugins.drafters.eagle3.training import Eagle3TrainConfig, Eagle3Training
-from interop_cases import PICKLE_REFUSED, assert_imports_refused, pickle_only
+from interop_cases import (PICKLE_REFUSED, assert_export_refused, assert_imports_refused, broken_copy, our_chain,
+                           pickle_only, read)
 from tiny_models import save_tiny, tiny_model
 
 V, L, D, HD = 96, 8, 64, 16
@@ -182,20 +184,6 @@ def deepspec_ttt(config: dict, w: dict[str, torch.Tensor], ids: torch.Tensor, fe
     return torch.stack(out)
 
 
-def read(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    return json.loads((folder / "config.json").read_text()), load_file(str(folder / "model.safetensors"))
-
-
-def our_chain(model: Eagle3Model, ids: torch.Tensor, feats: torch.Tensor, a: int, steps: int) -> torch.Tensor:
-    """Our chain from anchor x_a over the context rows 0…a−1, teacher-forced with ``ids``: ``[steps, V]``."""
-    k, v, g = model.context_kv(feats[None, :a], ids[None, 1:a + 1], torch.arange(a)[None])
-    with torch.no_grad():
-        _, logits = model.chain(model.embed(ids[a:a + 1]), g[:, a - 1], torch.tensor([a - 1]), k, v,
-                                torch.ones(1, a, dtype=torch.bool), steps,
-                                lambda j, _l: model.embed(ids[a + 1 + j:a + 2 + j]))
-    return logits[0]
-
-
 @torch.no_grad()
 def assert_same_function(ours: Path, foreign: Path, target: TargetModel, steps: int = 3) -> None:
     config, w = read(foreign)
@@ -277,7 +265,7 @@ def engine(target, host, drafter, temperature=0.0, new=10, verifier="rejection")
                   confidence=host.create_confidence("constant", {}), calibrator=host.create_calibrator("identity", {}),
                   scheduler=host.create_scheduler("fixed", {}),
                   sampling=SamplingConfig(temperature=temperature, max_new_tokens=new),
-                  engine=EngineConfig(max_batch=2, max_context=96))
+                  engine=EngineConfig(max_batch=2, max_context=96), trees=host.get("verifier", verifier).metadata.trees)
 
 
 PROMPTS = ([5, 6, 7], [9, 3, 9, 3, 9], [11, 12, 13, 14])
@@ -336,18 +324,14 @@ def test_drafting_an_imported_deepspec_checkpoint_is_deepspecs_forward(target_di
     ("three", "sglang", r"SGLang's Llama EAGLE-3 layer has no q/k norm"),
 ])
 def test_a_layout_that_cannot_be_exact_is_refused(drafters, tmp_path, name, fmt, message):
-    with pytest.raises(InteropError, match=message):
-        export_checkpoint(drafters[name], fmt, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert_export_refused(drafters[name], fmt, tmp_path / "out", message)
 
 
 def test_a_target_that_scales_its_embeddings_is_refused(tmp_path):
     gemma_dir = save_tiny("gemma", tmp_path / "gemma", seed=11, vocab=V, eos=None, layers=L)
     source = build(tmp_path, "gemma-drafter", make_target(gemma_dir, "gemma"), str(gemma_dir))
-    with pytest.raises(InteropError, match=r"its target \(gemma\) scales its embeddings by 8 .* reads its "
-                                           r"embed_tokens unscaled"):
-        export_checkpoint(source, "deepspec", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert_export_refused(source, "deepspec", tmp_path / "out",
+                          r"its target \(gemma\) scales its embeddings by 8 .* reads its embed_tokens unscaled")
 
 
 def test_bad_input_is_one_error_naming_the_file_and_nothing_is_written(drafters, target, tmp_path):
@@ -355,13 +339,7 @@ def test_bad_input_is_one_error_naming_the_file_and_nothing_is_written(drafters,
     export_checkpoint(drafters["five"], "deepspec", good)
 
     def broken(name: str, change) -> Path:
-        d = tmp_path / name
-        d.mkdir()
-        config, tensors = read(good)
-        change(config, tensors)
-        (d / "config.json").write_text(json.dumps(config))
-        save_file(tensors, str(d / "model.safetensors"))
-        return d
+        return broken_copy(good, tmp_path / name, change)
 
     cases = [
         (broken("missing", lambda c, t: t.pop("layers.0.self_attn.k_norm.weight")),

@@ -14,19 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
-from specforge.interop import InteropError, _formats, export_checkpoint, import_checkpoint
+from specforge.interop import _formats, export_checkpoint, import_checkpoint
 from specforge.plugins import PluginHost
 from specforge.target import TargetModel
+from specforge.toolkit.formats import InteropError
 from specforge.vocab import DraftVocab
-from specforge_plugins.drafters.block.model import SharedWeights
+from specforge.toolkit.layers import SharedWeights
 from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from specforge_plugins.drafters.eagle3.formats import eagle_repo_layers
+from specforge_plugins.drafters.eagle3.formats.eagle_repo import eagle_repo_layers
 from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, eagle3_layers, load_eagle3, save_eagle3
-from interop_cases import PICKLE_REFUSED, assert_imports_refused, pickle_only
+from interop_cases import (PICKLE_REFUSED, assert_export_refused, assert_imports_refused, broken_copy, our_chain,
+                           pickle_only, read)
 from tiny_models import save_tiny, tiny_model
 
 V, L, D, N = 96, 8, 64, 40
@@ -77,10 +79,6 @@ def drafters(tmp_path_factory, target):
 
 def tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-
-
-def read(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    return json.loads((folder / "config.json").read_text()), load_file(str(folder / "model.safetensors"))
 
 
 def test_eagles_hard_coded_layers_are_eagle3s_default_for_every_depth_it_can_serve():
@@ -216,16 +214,6 @@ def eagle_reference(config: dict, w: dict[str, torch.Tensor], embed: torch.Tenso
     return torch.stack(logits)
 
 
-def our_chain(model: Eagle3Model, ids: torch.Tensor, feats: torch.Tensor, a: int, steps: int) -> torch.Tensor:
-    """Our chain from anchor x_a over the context rows 0…a−1, teacher-forced with ``ids``: ``[steps, N]``."""
-    k, v, g = model.context_kv(feats[None, :a], ids[None, 1:a + 1], torch.arange(a)[None])
-    with torch.no_grad():
-        _, logits = model.chain(model.embed(ids[a:a + 1]), g[:, a - 1], torch.tensor([a - 1]), k, v,
-                                torch.ones(1, a, dtype=torch.bool), steps,
-                                lambda j, _l: model.embed(ids[a + 1 + j:a + 2 + j]))
-    return logits[0]
-
-
 @torch.no_grad()
 def test_an_eagle_folder_imports_with_target_and_computes_eagles_function(target, tmp_path):
     foreign = eagle_folder(tmp_path / "eagle", target)
@@ -274,7 +262,8 @@ def engine(target, host, drafter):
                   confidence=host.create_confidence("constant", {}), calibrator=host.create_calibrator("identity", {}),
                   scheduler=host.create_scheduler("fixed", {}),
                   sampling=SamplingConfig(temperature=0.0, max_new_tokens=10),
-                  engine=EngineConfig(max_batch=2, max_context=96))
+                  engine=EngineConfig(max_batch=2, max_context=96),
+                  trees=host.get("verifier", "rejection").metadata.trees)
 
 
 def test_an_imported_eagle_checkpoint_drafts_as_a_chain_and_a_tree_with_greedy_parity(target, host, tmp_path):
@@ -333,22 +322,14 @@ def test_detection_is_unambiguous_against_the_other_layouts(drafters, target, ho
 ])
 def test_an_eagle3_checkpoint_that_eagle_cannot_load_exactly_is_refused(target, tmp_path, spec, layers, message):
     source = build(tmp_path, "d", target if layers == L else make_target(layers), **spec)
-    with pytest.raises(InteropError, match=message):
-        export_checkpoint(source, "eagle", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert_export_refused(source, "eagle", tmp_path / "out", message)
 
 
 def test_bad_eagle_folders_are_one_error_naming_the_file_and_nothing_is_written(target, tmp_path):
     good = eagle_folder(tmp_path / "good", target)
 
     def broken(name: str, change) -> Path:
-        d = tmp_path / name
-        d.mkdir()
-        config, tensors = read(good)
-        change(config, tensors)
-        (d / "config.json").write_text(json.dumps(config))
-        save_file(tensors, str(d / "model.safetensors"))
-        return d
+        return broken_copy(good, tmp_path / name, change)
 
     cases = [
         (broken("shallow", lambda c, t: c.update(specforge={"n_target_layers": 6})), None,

@@ -13,13 +13,13 @@ from specforge.config import EngineConfig, SamplingConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
 from specforge.target import TargetModel
+from specforge.toolkit.checkpoints import DrafterCheckpointError
+from specforge.toolkit.training import DataSummary
 from specforge.training.config import TrainConfig
-from specforge.training.contract import DataSummary
 from specforge.training.data import MemorySource
 from specforge.training.trainer import Trainer
 from specforge.features import compute_features
 from specforge_plugins.drafters.block.checkpoint import load_drafter
-from specforge_plugins.drafters.checkpoints import DrafterCheckpointError
 from specforge_plugins.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads, MedusaShape, save_medusa
 from tiny_models import tiny_model
 
@@ -50,7 +50,8 @@ def engine(target, host, drafter, head="none", temperature=0.0, new=12, batch=3)
                   confidence=host.create_confidence("constant", {}), calibrator=host.create_calibrator("identity", {}),
                   scheduler=host.create_scheduler("fixed", {}),
                   sampling=SamplingConfig(temperature=temperature, max_new_tokens=new),
-                  engine=EngineConfig(max_batch=batch, max_context=96))
+                  engine=EngineConfig(max_batch=batch, max_context=96),
+                  trees=host.get("verifier", "rejection").metadata.trees)
 
 
 def requests(new=12):
@@ -194,7 +195,7 @@ def test_the_medusa_1_loss_is_the_weighted_sum_of_head_cross_entropies(train_tar
     """Σ_k 0.8^k·CE_k per block (k = 1 … K), averaged over the blocks whose first head is
     supervised; an anchor at position 0 has no hidden state before it; over a draft vocabulary a
     label outside it is unsupervised and the rest are draft ids — by hand on tiny tensors."""
-    from specforge.training.contract import DataSummary, TrainBatch
+    from specforge.toolkit.training import TrainBatch
     from specforge_plugins.drafters.medusa.training import MedusaTrainConfig, MedusaTraining
 
     v = train_target.args.vocab_size

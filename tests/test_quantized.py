@@ -15,7 +15,7 @@ from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
 from specforge.target import TargetModel
 from specforge.target.batch import VarlenBatch
-from specforge.target.model import pack_for_onednn
+from specforge.toolkit.projection import pack_for_onednn
 from specforge.target.quantized import (
     HEAD_KERNEL_ROWS,
     KERNEL_ROWS,

@@ -216,7 +216,7 @@ def test_a_vocabulary_too_large_or_for_another_target_is_one_clear_error(target,
 def test_dflash_trains_on_its_own_position_weighted_cross_entropy(target):
     """DFlash's objective (its paper, §4): Σ_k exp(−(k−1)/γ_w)·CE_k per block, γ_w from its table
     (7 at γ = 16, 5 at 10, 4 at 8), no TV or confidence term, no heads — by default."""
-    from specforge.training.contract import TrainBatch
+    from specforge.toolkit.training import TrainBatch
     from specforge_plugins.drafters.block.training import DFlashTrainConfig, DFlashTraining, dflash_decay
 
     assert (dflash_decay(16), dflash_decay(10), dflash_decay(8), dflash_decay(7)) == (7, 5, 4, 3.5)

@@ -3,23 +3,31 @@
 ``ngram`` (prompt lookup) needs no trained model; ``dspark`` and ``dflash`` are the parallel block
 drafters, ``medusa`` the heads on the target's last hidden state and ``eagle3`` EAGLE-3's one-layer
 autoregressive drafter (docs/design/drafters.md), each from a checkpoint or a seeded random
-initialisation.
+initialisation.  Importing this package makes the drafters shipped in it nameable as
+``shipped:<name>`` checkpoints.
 """
 
 from __future__ import annotations
 
 from specforge import hookimpl
+from specforge.toolkit.checkpoints import ship
 from specforge_plugins.drafters.block.formats import DFLASH_FORMATS, DSPARK_FORMATS
 from specforge_plugins.drafters.block.training import BlockTraining, DFlashTraining
-from specforge_plugins.drafters.dspark import DFlashConfig, DFlashDrafter, DSparkConfig, DSparkDrafter
+from specforge_plugins.drafters.dflash import DFlashConfig, DFlashDrafter
+from specforge_plugins.drafters.dspark import DSparkConfig, DSparkDrafter
 from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Training
 from specforge_plugins.drafters.eagle3.formats import EAGLE3_FORMATS
 from specforge_plugins.drafters.medusa.formats import MEDUSA_FORMATS
 from specforge_plugins.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaTraining
 from specforge_plugins.drafters.ngram import NgramConfig, NgramDrafter
+from specforge_plugins.drafters.shipped import shipped_drafters
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter", "Eagle3Config", "Eagle3Drafter",
            "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter"]
+
+# Here rather than in the hook: a checkpoint is loaded without the host too (scripts, tests), and
+# any import of a drafter module runs this package first.
+ship(shipped_drafters())
 
 # Small enough for the conformance suite's reference targets (2 layers, d = 32, V = 8–32).
 # The third restricts the sequential stage to the top-4 tokens of U_k (q is zero elsewhere); the

@@ -1,1 +1,26 @@
-"""Benchmarks: prompts, the HF transformers baseline and the vLLM CPU peer."""
+"""Benchmarks (``specforge bench WHAT``): prompts, the HF transformers baseline and the vLLM CPU peer,
+and one module per benchmark.
+
+Each module of :data:`BENCHES` declares its own sub-command as ``COMMAND``
+(:func:`specforge.bench.runner.bench_command`: its options, its measurement, how its result is kept
+and shown), and the command line adds whatever :func:`commands` lists.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specforge.commands import Subcommand
+
+__all__ = ["BENCHES", "commands"]
+
+# In the order `specforge bench --help` lists them.
+BENCHES = ("engine_bench", "ab", "round", "drafters", "serving", "vllm_drafter", "attention")
+
+
+def commands() -> list[Subcommand]:
+    """The ``COMMAND`` of every module of :data:`BENCHES` (importing them: the command line needs
+    each one's options to build its parser)."""
+    return [importlib.import_module(f"{__name__}.{module}").COMMAND for module in BENCHES]

@@ -23,19 +23,19 @@ bfloat16 for ``hf``); a last ``:model`` or ``:float32`` gives an engine arm that
 
 from __future__ import annotations
 
+import argparse
 import copy
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from itertools import zip_longest
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from specforge.bench.engine_bench import variant_engine
 from specforge.bench.hf_baseline import load_smollm2, run_generate
+from specforge.bench.runner import Report, add_output_arguments, bench_command
 from specforge.bench.serving import prompt_mix
 from specforge.engine import GenerationRequest
 from specforge.errors import SpecforgeError
@@ -44,7 +44,7 @@ from specforge.machine import machine
 from specforge.target import TargetModel
 from specforge.target.adapter import dtype_name
 
-__all__ = ["ARMS", "ABError", "quartiles", "ratios", "run_ab", "save", "table"]
+__all__ = ["ARMS", "ABError", "COMMAND", "REPORT", "quartiles", "ratios", "run_ab", "table"]
 
 _BASE_ARMS = [f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram")]
 _PRECISIONS = ("auto", "float32", "bfloat16")
@@ -187,14 +187,10 @@ def ratios(speeds: dict[str, list[float]], baseline: str) -> dict[str, dict[str,
     return summary
 
 
-def save(result: dict[str, Any], out: Path) -> Path:
-    """Write the result as ``ab-ARMS-cC.json`` in ``out``; returns the file."""
-    out.mkdir(parents=True, exist_ok=True)
-    # no ':' (Windows) or '/' in file names
+def json_name(result: dict[str, Any]) -> str:
+    """``ab-ARMS-cC.json``: no ``:`` (Windows) or ``/`` in a file name, so ``=`` and ``@`` for them."""
     arms = "-".join(a.replace(":", "=").replace("/", "@") for a in result["arms"])
-    path = out / f"ab-{arms}-c{result['concurrency']}.json"
-    path.write_text(json.dumps(result, indent=2))
-    return path
+    return f"ab-{arms}-c{result['concurrency']}.json"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -209,3 +205,43 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{arm:<{w}} {s['tok_s_median']:>12.1f} {s[f'ratio_to_{baseline}_median']:>{r}.2f} "
                      f"{q[0]:>7.2f}–{q[2]:.2f}")
     return "\n".join(lines)
+
+
+def _report_table(result: dict[str, Any]) -> str:
+    return table(result) + (f"\n({result['trials']} trials, c={result['concurrency']}, {result['max_new_tokens']} new "
+                            f"tokens, {result['threads']} threads)")
+
+
+REPORT = Report(json_name, _report_table)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arms", nargs="+", default=["hf", "eager-plain", "compiled-plain"], choices=ARMS, metavar="ARM",
+                   help="hf[/PRECISION], [native-]{eager,compiled}-{plain,ngram}[/PRECISION][:model|:float32]")
+    p.add_argument("--baseline", default=None, help="arm the ratios divide by (default: the first)")
+    p.add_argument("--trials", type=int, default=40)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=8, help="prompts cycled through (humaneval, mt-bench)")
+    p.add_argument("--sharegpt", type=int, default=0, help="also this many ShareGPT first turns, at their real lengths")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=None)
+    add_output_arguments(p, "runs/engine-ab")
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """paired A/B of decoding setups: short trials, every arm back to back, ratios per trial
+
+    Each trial runs one batch with every arm back to back (the order reversed from trial to trial)
+    and divides each arm's tokens/s by the baseline arm's in the same trial, so the machine's drift
+    mostly cancels; reports the median and quartiles of those ratios.  Arms: hf (HF generate) and
+    {eager,compiled}-{plain,ngram} of the engine; a native- prefix runs the engine arm on the GGUF's
+    4-bit blocks, a /PRECISION suffix (auto, float32, bfloat16) in that precision (default: auto for
+    the engine, bfloat16 for hf), a :model or :float32 suffix with that KV-cache dtype (default:
+    auto's choice on this machine).
+    """
+    return run_ab(args.arms, baseline=args.baseline, trials=args.trials, concurrency=args.concurrency,
+                  prompts=args.prompts, max_new_tokens=args.max_new_tokens, threads=args.threads,
+                  sharegpt=args.sharegpt, progress=lambda line: print(line, flush=True))
+
+
+COMMAND = bench_command("ab", _arguments, _measure, REPORT)

@@ -22,6 +22,7 @@ Writes ``bench.json``, ``table.md`` (the Table-1-shaped tables), ``acceptance.pn
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import shutil
@@ -35,13 +36,14 @@ from typing import Any
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from specforge.machine import machine
+from specforge.bench.runner import Report, add_output_arguments, bench_command
 from specforge.config import compose, validation_problems
 from specforge.errors import ConfigError
-from specforge.files import write_atomic
+from specforge.machine import machine
+from specforge.resume import read_record, write_record
 
-__all__ = ["BENCH_PRESETS", "DraftersBench", "bench_table", "load_bench_config", "prepare", "run_drafters_bench",
-           "save_bench"]
+__all__ = ["BENCH_PRESETS", "COMMAND", "REPORT", "DraftersBench", "bench_table", "load_bench_config", "prepare",
+           "run_drafters_bench"]
 
 
 class BenchMethod(BaseModel):
@@ -194,8 +196,9 @@ def _budget(bench: DraftersBench, label: str, out: Path, layers: tuple[int, ...]
     from specforge.training import Trainer
 
     path = out / label / "budget.json"
-    if path.is_file():
-        return json.loads(path.read_text())
+    record = read_record(path)
+    if record is not None:
+        return record
     probe_dir = out / label / "probe"
     shutil.rmtree(probe_dir, ignore_errors=True)
     steps = bench.probe_steps
@@ -210,8 +213,7 @@ def _budget(bench: DraftersBench, label: str, out: Path, layers: tuple[int, ...]
     total = max(1, int(bench.budget_minutes * 60 / seconds))
     record = {"budget_minutes": bench.budget_minutes, "probe_step_seconds": seconds, "steps": total,
               "machine": machine()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(record, indent=2))
+    write_record(path, record)
     shutil.rmtree(probe_dir, ignore_errors=True)
     say(f"{label}: {seconds:.2f} s per step → {total} steps in {bench.budget_minutes:g} min")
     return record
@@ -393,15 +395,12 @@ def bench_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def save_bench(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """bench.json, table.md, acceptance.png and learning.png under ``out_dir``."""
+def plots(result: dict[str, Any], out: Path) -> list[Path]:
+    """acceptance.png (Fig. 2: acceptance per draft position, a panel per temperature) and
+    learning.png (held-out τ̂ against training minutes) under ``out``."""
     from specforge.plots import new_figure, save_figure
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "bench.json", out / "table.md"]
-    write_atomic(paths[0], json.dumps(result, indent=2, allow_nan=True))
-    write_atomic(paths[1], bench_table(result) + "\n")
+    paths = []
     arms = result["arms"]
     temps = list(next(iter(arms.values()))["summary"])
     fig = new_figure(5.2 * len(temps), 4.2)
@@ -434,3 +433,42 @@ def save_bench(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     ax.legend(fontsize=8)
     paths.append(save_figure(fig, out / "learning.png", title="same data, same budget"))
     return paths
+
+
+REPORT = Report("bench.json", bench_table, table_file="table.md", files=plots)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", action="append", metavar="PRESET|FILE",
+                   help="bench config (repeatable, merged left to right; default: 'paper')")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="only regenerate the data and build every method's feature cache (nothing is timed, so "
+                        "the machine may be busy); a later call trains and measures")
+    p.add_argument("--train-only", action="store_true",
+                   help="train every method at the budget and stop (steps are fixed by the probe, so training "
+                        "may share the machine; run the probe and the measuring call on a quiet one)")
+    add_output_arguments(p, None, help="output directory (the config's 'out' key)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="bench config overrides, e.g. budget_minutes=30 prompts=4")
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any] | None:
+    """train drafters on the same data at the same budget, then τ, speedup and acceptance in one run
+
+    Every method of the bench config (preset 'paper': DSpark 2 and 5 layers, DFlash 5, Eagle3,
+    Medusa, plus Eagle3's and Medusa's trees) trains on one regenerated dataset for budget_minutes
+    each (its step count from a timed probe), then every arm decodes the same prompts as plain
+    decoding in the same run.  Writes bench.json, table.md, acceptance.png and learning.png; a
+    second call resumes or reuses what the first made.
+    """
+    overrides = list(args.overrides) + ([f"out={args.out}"] if args.out else [])
+    bench = load_bench_config(args.config or ["paper"], overrides)
+    result = run_drafters_bench(bench, prepare_only=args.prepare_only, train_only=args.train_only)
+    if result is None:
+        done = "data and feature caches" if args.prepare_only else "every method trained"
+        print(f"{done}: ready under {bench.out}", file=sys.stderr)
+    return result
+
+
+# Under the config's out key (which --out sets), recorded in the result.
+COMMAND = bench_command("drafters", _arguments, _measure, REPORT, out=lambda args, result: result["config"]["out"])

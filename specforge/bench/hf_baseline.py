@@ -27,15 +27,11 @@ records of :mod:`specforge.bench.vllm_client`, so the engine benchmark can put t
     }
 
 A request's latency is the wall time of its round (all requests of a round are submitted
-together and, ignoring EOS, all finish with it).
-
-Run it by hand: ``python -m specforge.bench.hf_baseline --concurrency 1 --dtype fp32 bf16``.
+together and, ignoring EOS, all finish with it).  ``specforge bench engine`` runs it.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import statistics
@@ -297,49 +293,3 @@ def bench_hf(
             }
             results.append(rec)
     return results
-
-
-# --------------------------------------------------------------------------------------------
-# command line (the engine benchmark calls bench_hf directly)
-# --------------------------------------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from specforge.evalsets import apply_chat_template, select_prompts
-
-    ap = argparse.ArgumentParser(prog="python -m specforge.bench.hf_baseline", description=__doc__.split("\n")[0])
-    ap.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench"])
-    ap.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
-    ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1])
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--min-rounds", type=int, default=2)
-    ap.add_argument("--keep-tokens", action="store_true", help="include generated token ids")
-    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: one per core)")
-    ap.add_argument("--out", type=Path, help="also write the JSON here")
-    args = ap.parse_args(argv)
-
-    prompts = select_prompts(args.datasets, args.prompts)
-    tok = load_smollm2_tokenizer()
-    ids = [apply_chat_template(tok, p.text) for p in prompts]
-    results = bench_hf(
-        ids, args.dtype, args.concurrency, args.max_new_tokens, args.min_rounds,
-        pad_id=tok.pad_token_id, keep_tokens=args.keep_tokens, threads=args.threads,
-    )
-    doc = {
-        "format": "specforge.bench.results",
-        "version": 1,
-        "model": SMOLLM2_NAME,
-        "device": f"cpu: {os.cpu_count()} cores",
-        "prompts": [{"dataset": p.dataset, "index": p.index} for p in prompts],
-        "results": results,
-    }
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 0 if all(r["status"] == "ok" for r in results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

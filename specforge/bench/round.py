@@ -9,24 +9,27 @@ both arms — and reports each part in milliseconds per round and as a share of 
 step, for every (concurrency, γ) asked for.  The paper's figure for its Markov head is 0.2–1.3 %
 of a round on GPUs; on a CPU the LM head and the head's W2 reads weigh much more.
 
-Outputs: a JSON file, a table, and a stacked-bar PNG (each part in plain steps, per setting).
+Outputs: ``round.json``, a table, and ``round.png``: stacked bars (each part in plain steps, per setting).
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from specforge.machine import machine
+from specforge.bench.runner import (TEMPERATURE, Report, add_output_arguments, add_temperature_argument,
+                                    bench_command)
 from specforge.config import EngineConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest
 from specforge.evalsets import apply_chat_template, select_prompts
+from specforge.machine import machine
 
-__all__ = ["DRAFT_PARTS", "PARTS", "plot", "run_round_benchmark", "save", "table"]
+__all__ = ["COMMAND", "DRAFT_PARTS", "PARTS", "REPORT", "plot", "run_round_benchmark", "table"]
 
 DRAFT_PARTS = ("ingest", "backbone", "lm_head", "sequential")  # inside the drafter, in order
 # Every part of a round, in the order it runs; ``draft_other`` is the drafter's and the engine's
@@ -56,10 +59,11 @@ def _reset(engine: Engine) -> None:
         engine.drafter.part_seconds = dict.fromkeys(parts, 0.0)
 
 
-def _requests(prompt_ids: list[list[int]], max_new_tokens: int, first_id: int) -> list[GenerationRequest]:
-    # Greedy: both arms write the same text, so they decode the same number of tokens.
-    return [GenerationRequest(prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=0.0, request_id=first_id + i)
-            for i, ids in enumerate(prompt_ids)]
+def _requests(prompt_ids: list[list[int]], max_new_tokens: int, first_id: int,
+              temperature: float) -> list[GenerationRequest]:
+    # Greedy (the default): both arms write the same text, so they decode the same number of tokens.
+    return [GenerationRequest(prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                              request_id=first_id + i) for i, ids in enumerate(prompt_ids)]
 
 
 def _parts(engine: Engine, rounds: int) -> dict[str, float]:
@@ -76,7 +80,7 @@ def _parts(engine: Engine, rounds: int) -> dict[str, float]:
 
 
 def measure_setting(sources: Sequence[str], overrides: Sequence[str], target: Any, prompt_ids: list[list[int]],
-                    gamma: int, max_new_tokens: int, repeats: int) -> dict[str, Any]:
+                    gamma: int, max_new_tokens: int, repeats: int, temperature: float = TEMPERATURE) -> dict[str, Any]:
     """One (concurrency, γ): plain and speculative decoding of the same prompts, alternated."""
     c = len(prompt_ids)
     pipeline = load_pipeline(list(sources), [*overrides, f"drafter.gamma={gamma}"])
@@ -84,7 +88,7 @@ def measure_setting(sources: Sequence[str], overrides: Sequence[str], target: An
     spec = Engine.from_pipeline(replace(pipeline, engine=limits), target)
     plain = Engine(target, pipeline.component("verifier").create(), engine=limits)
     for engine in (plain, spec):  # first-call allocations and kernel choices, untimed
-        _drive(engine, _requests(prompt_ids[:1], 8, 10_000))
+        _drive(engine, _requests(prompt_ids[:1], 8, 10_000, temperature))
         _reset(engine)
     plain_rounds = plain_tokens = spec_rounds = spec_tokens = 0
     plain_s = spec_s = 0.0
@@ -92,7 +96,7 @@ def measure_setting(sources: Sequence[str], overrides: Sequence[str], target: An
     for i in range(repeats):
         order = (plain, spec) if i % 2 == 0 else (spec, plain)  # alternate which arm goes first
         for engine in order:
-            rounds, tokens, seconds = _drive(engine, _requests(prompt_ids, max_new_tokens, rid))
+            rounds, tokens, seconds = _drive(engine, _requests(prompt_ids, max_new_tokens, rid, temperature))
             rid += c
             if engine is plain:
                 plain_rounds, plain_tokens, plain_s = plain_rounds + rounds, plain_tokens + tokens, plain_s + seconds
@@ -117,7 +121,7 @@ def measure_setting(sources: Sequence[str], overrides: Sequence[str], target: An
 def run_round_benchmark(sources: Sequence[str] = ("dspark",), overrides: Sequence[str] = (),
                         concurrency: Sequence[int] = (1, 16), gammas: Sequence[int] = (4, 7, 16),
                         datasets: Sequence[str] = DEFAULT_SETS, max_new_tokens: int = 64, repeats: int = 2,
-                        eval_dir: str | None = None,
+                        eval_dir: str | None = None, temperature: float = TEMPERATURE,
                         progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Every (concurrency, γ) of a speculative pipeline against plain decoding, same run."""
     from specforge.target import TargetModel
@@ -135,9 +139,10 @@ def run_round_benchmark(sources: Sequence[str] = ("dspark",), overrides: Sequenc
     for c in concurrency:
         for g in gammas:
             progress(f"c={c} γ={g} …")
-            rows.append(measure_setting(sources, overrides, target, ids[:c], g, max_new_tokens, repeats))
+            rows.append(measure_setting(sources, overrides, target, ids[:c], g, max_new_tokens, repeats, temperature))
     return {"machine": machine(), "precision": target.precision.to_dict(), "pipeline": base.to_dict(), "datasets": list(datasets),
-            "max_new_tokens": max_new_tokens, "repeats": repeats, "seconds": time.perf_counter() - started,
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats,
+            "seconds": time.perf_counter() - started,
             "rows": rows}
 
 
@@ -185,10 +190,33 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     return save_figure(fig, path, dpi=120)
 
 
-def save(result: dict[str, Any], out: Path) -> tuple[Path, Path]:
-    from specforge.files import write_atomic
+REPORT = Report("round.json", table, files=lambda result, out: [plot(result, out / "round.png")])
 
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "round.json"
-    write_atomic(json_path, json.dumps(result, indent=2) + "\n")
-    return json_path, plot(result, out / "round.png")
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", action="append", metavar="PRESET|FILE", help="pipeline (default: dspark)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--gamma", type=int, nargs="+", default=[4, 7, 16])
+    p.add_argument("--datasets", nargs="+", default=list(DEFAULT_SETS))
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    add_temperature_argument(p)
+    p.add_argument("--repeats", type=int, default=2, help="alternated plain/speculative runs per setting")
+    p.add_argument("--eval-dir", default=None, metavar="DIR")
+    add_output_arguments(p, "runs/bench-round")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """each part of a speculative round, in plain decoding steps measured in the same run
+
+    Plain and speculative decoding (greedy by default) of the same eval prompts, alternated; for
+    each concurrency and γ: ingest, backbone, LM head, sequential stage, confidence, scheduler,
+    verify pass, verifier and commit, in ms and in plain steps (JSON, table, stacked bars).
+    """
+    return run_round_benchmark(args.config or ["dspark"], args.overrides, concurrency=args.concurrency,
+                               gammas=args.gamma, datasets=args.datasets, max_new_tokens=args.max_new_tokens,
+                               repeats=args.repeats, eval_dir=args.eval_dir, temperature=args.temperature,
+                               progress=lambda line: print(line, file=sys.stderr, flush=True))
+
+
+COMMAND = bench_command("round", _arguments, _measure, REPORT)

@@ -28,7 +28,7 @@ the ``threshold`` arms (Fig. 5).
 
 from __future__ import annotations
 
-import json
+import argparse
 import random
 import statistics
 import sys
@@ -38,12 +38,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from specforge.bench.runner import (TEMPERATURE, Report, add_output_arguments, add_temperature_argument,
+                                    bench_command, unfinished)
+from specforge.errors import ConfigError, SpecforgeError
 from specforge.machine import machine
-from specforge.errors import SpecforgeError
-from specforge.files import write_atomic
+from specforge.resume import refuse_other_settings, write_record
 
-__all__ = ["DEFAULT_ARMS", "ServingResumeError", "arm_pipelines", "prompt_mix", "run_serving_benchmark", "save",
-           "table"]
+__all__ = ["COMMAND", "DEFAULT_ARMS", "REPORT", "ServingResumeError", "arm_pipelines", "prompt_mix",
+           "run_serving_benchmark", "table"]
+
 
 class ServingResumeError(SpecforgeError, ValueError):
     """An unfinished run measured with other settings or on another machine: not resumed."""
@@ -75,7 +78,6 @@ def arm_pipelines(arms: Sequence[str], drafter: Sequence[str] = ("dspark",),
     """The validated pipeline of each named arm (see :data:`DEFAULT_ARMS`); ``target`` replaces
     every arm's target section (all arms share one loaded target)."""
     from specforge.config import load_pipeline
-    from specforge.errors import ConfigError
 
     unknown = [a for a in arms if a not in DEFAULT_ARMS]
     if unknown:
@@ -119,19 +121,19 @@ def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
     return {"p50": q[49], "p90": q[89], "p99": q[98]}
 
 
-def _requests(prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
-    """Greedy requests of exactly ``max_new_tokens`` tokens (EOS ignored: every arm writes as much)."""
+def _requests(prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[Any]:
+    """Requests of exactly ``max_new_tokens`` tokens (EOS ignored: every arm writes as much)."""
     from specforge.engine import GenerationRequest
 
-    return [GenerationRequest(prompt_ids=p, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, seed=i)
-            for i, p in enumerate(prompts)]
+    return [GenerationRequest(prompt_ids=p, max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True,
+                              seed=i) for i, p in enumerate(prompts)]
 
 
-def _run(engine: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+def _closed_loop(engine: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> dict[str, Any]:
     """One closed-loop run: every prompt once, ``engine.config.max_batch`` in flight; what it
     produced and took (the engine's phase clocks and gate counter included)."""
     t0 = time.perf_counter()
-    outs = engine.generate(_requests(prompts, max_new_tokens))
+    outs = engine.generate(_requests(prompts, max_new_tokens, temperature))
     return {"outs": outs, "seconds": time.perf_counter() - t0, "plain_rounds": engine.plain_rounds,
             "draft": engine.phase_seconds["draft"], "phases": sum(engine.phase_seconds.values())}
 
@@ -161,7 +163,8 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _vllm_records(batch: list[list[int]], r: int, max_new_tokens: int, model: str, dtype: str) -> list[dict[str, Any]]:
+def _vllm_records(batch: list[list[int]], r: int, max_new_tokens: int, model: str, dtype: str,
+                  temperature: float) -> list[dict[str, Any]]:
     """vLLM CPU's plain and ngram arms at concurrency ``r`` on ``batch`` (closed loop) serving the
     same target (its HF directory, or the GGUF's cached conversion), as records of this benchmark
     (``arm`` vllm-plain / vllm-ngram; τ from vLLM's draft counters, no verify-budget fields)."""
@@ -175,7 +178,7 @@ def _vllm_records(batch: list[list[int]], r: int, max_new_tokens: int, model: st
         model_dir = None  # bench_vllm answers with `skipped` records saying how to install it
     out = []
     for rec in bench_vllm(batch, [r], DEFAULT_VARIANTS, max_new_tokens, dtype=dtype, closed_loop=True, progress=False,
-                          model_dir=model_dir):
+                          model_dir=model_dir, temperature=temperature):
         arm = f"vllm-{rec.get('variant', 'plain')}"
         line = "ok" if rec.get("status") == "ok" else f"{rec.get('status')}: {rec.get('reason')}"
         spec = (rec.get("extra") or {}).get("spec_decode") or {}
@@ -189,7 +192,7 @@ def _vllm_records(batch: list[list[int]], r: int, max_new_tokens: int, model: st
     return out
 
 
-def _open_loop(engine: Any, prompts: list[list[int]], max_new_tokens: int, rate: float, seed: int,
+def _open_loop(engine: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float, rate: float, seed: int,
                sla_ttft: float, sla_itl: float) -> dict[str, Any]:
     """Poisson arrivals at ``rate`` requests/s; latencies count from each request's arrival."""
     from collections import deque
@@ -199,7 +202,7 @@ def _open_loop(engine: Any, prompts: list[list[int]], max_new_tokens: int, rate:
     for _ in prompts:
         t += gen.expovariate(rate)
         arrivals.append(t)
-    pending = deque(zip(arrivals, _requests(prompts, max_new_tokens)))
+    pending = deque(zip(arrivals, _requests(prompts, max_new_tokens, temperature)))
     arrived, first, done, tokens = {}, {}, {}, {}
     t0 = time.perf_counter()
     while pending or engine.busy:
@@ -233,7 +236,7 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
                           per_set: int = 8, sharegpt: int = 24, max_new_tokens: int = 64, eval_dir: str | None = None,
                           requests_per_slot: int = 2, progress: Callable[[str], None] | None = None,
                           rates: Sequence[float] = (), sla_ttft: float = 2.0, sla_itl: float = 0.25,
-                          vllm: bool = True, resume: dict[str, Any] | None = None,
+                          vllm: bool = True, temperature: float = TEMPERATURE, resume: dict[str, Any] | None = None,
                           checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every arm at every concurrency, then (``rates``) every arm under Poisson arrivals at each
     rate (see the module docstring); the JSON-ready result.
@@ -259,18 +262,14 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     m = machine()
     settings = {"arms": list(arms), "drafter": list(drafter), "datasets": list(datasets), "per_set": per_set,
                 "sharegpt": sharegpt, "max_new_tokens": max_new_tokens, "requests_per_slot": requests_per_slot,
-                "vllm": vllm, "cpu": m["cpu"], "torch_threads": m["torch_threads"],
+                "vllm": vllm, "temperature": temperature, "cpu": m["cpu"], "torch_threads": m["torch_threads"],
                 "kv_dtype": dtype_name(target.runtime.cache_dtype()), "precision": target.precision_label}
     records: list[dict[str, Any]] = []
     vllm_status: dict[str, str] = {}
     done: list[int] = []
     if resume is not None:
-        theirs = resume.get("settings") or {}
-        differ = sorted(k for k in settings.keys() | theirs.keys() if settings.get(k) != theirs.get(k))
-        if differ:
-            raise ServingResumeError("the unfinished serving run to resume was measured with other "
-                             + ", ".join(f"{k} ({theirs.get(k)!r}, now {settings.get(k)!r})" for k in differ)
-                             + "; give another --out to start afresh")
+        refuse_other_settings(resume.get("settings") or {}, settings, subject="the unfinished serving run to resume",
+                              remedy="give another --out to start afresh", error=ServingResumeError)
         records, vllm_status = list(resume["records"]), dict(resume.get("vllm_status") or {})
         done = [int(c) for c in resume.get("concurrency_done", [])]
         say(f"resuming: R = {', '.join(map(str, done))} measured before")
@@ -292,9 +291,9 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
                 p = pipelines[label]
                 engine = Engine.from_pipeline(replace(p, engine=p.engine.model_copy(
                     update={"max_batch": r, "max_context": context})), target)
-                engine.generate(_requests(batch[:1], 4))  # first-call allocations, untimed
+                engine.generate(_requests(batch[:1], 4, temperature))  # first-call allocations, untimed
                 engine.reset_clocks()
-                runs[label].append(_run(engine, part, max_new_tokens))
+                runs[label].append(_closed_loop(engine, part, max_new_tokens, temperature))
         for label in arms:
             rec = {"arm": label, "concurrency": r, **_summary(runs[label])}
             records.append(rec)
@@ -304,7 +303,8 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
             # vLLM runs in the engine's primary precision (the dense one measured fastest here
             # when target.dtype is auto): float32 on a CPU without native bf16, where vLLM's bf16 is
             # emulated too
-            for rec in _vllm_records(batch, r, max_new_tokens, first.target.model, dtype_name(target.dtype)):
+            for rec in _vllm_records(batch, r, max_new_tokens, first.target.model, dtype_name(target.dtype),
+                                     temperature):
                 line = rec.pop("status_line")
                 if line != "ok" or rec["arm"] not in vllm_status:
                     vllm_status[rec["arm"]] = line  # a failure at any R is what the result reports
@@ -326,8 +326,8 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
             p = pipelines[label]
             engine = Engine.from_pipeline(replace(p, engine=p.engine.model_copy(
                 update={"max_batch": cap, "max_context": context})), target)
-            engine.generate(_requests(prompts[:1], 4))
-            rec = {"arm": label, **_open_loop(engine, prompts, max_new_tokens, rate, i, sla_ttft, sla_itl)}
+            engine.generate(_requests(prompts[:1], 4, temperature))
+            rec = {"arm": label, **_open_loop(engine, prompts, max_new_tokens, temperature, rate, i, sla_ttft, sla_itl)}
             open_loop.append(rec)
             say(f"λ={rate:<5g} {label:<14} TTFT p90 {rec['ttft_s']['p90']:.2f} s  SLA met {rec['sla_met']:.0%}  "
                 f"goodput {rec['goodput_rps']:.2f} req/s")
@@ -371,14 +371,11 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def save(result: dict[str, Any], out: str | Path) -> list[Path]:
-    """serving.json and three plots (frontier, verify budget, θ sweep) under ``out``."""
+def plots(result: dict[str, Any], out: Path) -> list[Path]:
+    """frontier.png, verify-budget.png and (with threshold arms) theta-sweep.png under ``out``."""
     from specforge.plots import new_figure, save_figure
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "serving.json"]
-    write_atomic(paths[0], json.dumps(result, indent=2, allow_nan=True))
+    paths = []
     recs = result["records"]
     arms = list(result["arms"])
     cpu = result["machine"]["cpu"]
@@ -417,3 +414,50 @@ def save(result: dict[str, Any], out: str | Path) -> list[Path]:
         ax.legend(fontsize=7)
         paths.append(save_figure(fig, out / "theta-sweep.png", title="threshold θ against load"))
     return paths
+
+
+REPORT = Report("serving.json", table, files=plots)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), metavar="ARM",
+                   help=f"of: {', '.join(DEFAULT_ARMS)}")
+    p.add_argument("--drafter", action="append", metavar="PRESET|FILE",
+                   help="the drafter pipeline the speculative arms use (default: dspark, the shipped drafter)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--datasets", nargs="+", default=["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"])
+    p.add_argument("--prompts", type=int, default=8, help="prompts per eval set")
+    p.add_argument("--sharegpt", type=int, default=24, help="ShareGPT first turns added at their real lengths")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    add_temperature_argument(p)
+    p.add_argument("--eval-dir", default=None, metavar="DIR")
+    p.add_argument("--rate", type=float, nargs="*", default=[], metavar="λ",
+                   help="also an open loop: Poisson arrivals at each rate (requests/s), at most max(--concurrency) "
+                        "in flight")
+    p.add_argument("--sla-ttft", type=float, default=2.0, help="open-loop SLA: time to first token (s)")
+    p.add_argument("--sla-itl", type=float, default=0.25, help="open-loop SLA: mean inter-token latency (s)")
+    p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
+                   help="also vLLM CPU's plain and ngram at each R where it is installed (.venv-vllm; `make vllm`)")
+    add_output_arguments(p, "runs/bench-serving")
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """schedulers under load: closed loop at each concurrency, every arm ÷ plain decoding in the same run
+
+    Mixed math/code/chat prompts plus ShareGPT first turns, R requests in flight; arms: plain, fixed
+    γ, a threshold θ sweep, hw-prefix and async-topk with the drafter pipeline, and ngram; aggregate
+    and per-user tokens/s, TTFT and inter-token latency percentiles, the verify budget and waste.
+    Writes serving.json, frontier.png, verify-budget.png, theta-sweep.png; an unfinished run in
+    --out is resumed.
+    """
+    # An unfinished run in --out (killed, or a session that ended) resumes at its next concurrency.
+    state = Path(args.out) / REPORT.json_name
+    return run_serving_benchmark(args.arms, args.drafter or ["dspark"], args.concurrency, args.datasets, args.prompts,
+                                 args.sharegpt, args.max_new_tokens, args.eval_dir, rates=args.rate,
+                                 sla_ttft=args.sla_ttft, sla_itl=args.sla_itl, vllm=args.vllm,
+                                 temperature=args.temperature,
+                                 resume=unfinished(state, lambda why: ConfigError([f"--out: {why}"])),
+                                 checkpoint=lambda partial: write_record(state, partial))
+
+
+COMMAND = bench_command("serving", _arguments, _measure, REPORT)

@@ -13,14 +13,12 @@ repository root) so it never touches the project's dependencies.  This module
 When vLLM is not installed, :func:`bench_vllm` returns ``skipped`` records that say how to install
 it, rather than failing; a run that fails or times out gives ``error`` records with the reason.
 The records have the shape documented in :mod:`specforge.bench.hf_baseline`
-(``"system": "vllm-cpu"``, ``"variant": "plain" | "ngram"``).
-
-Run it by hand: ``python -m specforge.bench.vllm_client --concurrency 1 4 16``.
+(``"system": "vllm-cpu"``, ``"variant": "plain" | "ngram"``).  ``specforge bench engine``,
+``bench serving`` and ``bench vllm-drafter`` run it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -31,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from specforge.bench.runner import TEMPERATURE
 from specforge.errors import SpecforgeError
 
 __all__ = [
@@ -295,6 +294,7 @@ def bench_vllm(
     progress: bool = True,
     log_dir: Path | None = None,
     closed_loop: bool = False,
+    temperature: float = TEMPERATURE,
 ) -> list[dict[str, Any]]:
     """Time vLLM CPU on ``prompt_ids`` (chat-templated token ids) → result records.
 
@@ -305,6 +305,7 @@ def bench_vllm(
     ``{"VLLM_CPU_OMP_THREADS_BIND": "0-1"}``).  vLLM's full log of each variant is kept in
     ``log_dir`` (default ``<cache>/vllm-logs``); ``extra.log`` names the file.  ``closed_loop``:
     per concurrency c, every prompt in one call with c in flight (see the runner's request format).
+    ``temperature``: vLLM's sampling temperature (default the benches' greedy one).
     """
     concurrencies = [int(c) for c in concurrencies]
     variants = [dict(v) for v in variants]
@@ -331,6 +332,7 @@ def bench_vllm(
             "variants": [v],
             "concurrency": concurrencies,
             "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
             "min_rounds": min_rounds,
             "warmup_tokens": warmup_tokens,
             "dtype": dtype,
@@ -353,57 +355,3 @@ def bench_vllm(
                                 env=doc.get("env", {}), log=str(log_path))
             results.append(rec)
     return results
-
-
-# --------------------------------------------------------------------------------------------
-# command line (the engine benchmark calls bench_vllm directly)
-# --------------------------------------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from specforge.bench.hf_baseline import SMOLLM2_NAME, load_smollm2_tokenizer
-    from specforge.evalsets import apply_chat_template, select_prompts
-
-    ap = argparse.ArgumentParser(prog="python -m specforge.bench.vllm_client", description=__doc__.split("\n")[0])
-    ap.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench"])
-    ap.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
-    ap.add_argument("--variants", nargs="+", default=["plain", "ngram"], choices=["plain", "ngram"])
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--min-rounds", type=int, default=2)
-    ap.add_argument("--ngram", nargs=3, type=int, default=[5, 3, 1], metavar=("GAMMA", "MAX_N", "MIN_N"),
-                    help="ngram variant: speculative tokens, prompt_lookup_max, prompt_lookup_min")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--timeout", type=float, default=1800, help="seconds per variant, startup included")
-    ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE", help="extra env for vLLM")
-    ap.add_argument("--keep-tokens", action="store_true")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
-
-    prompts = select_prompts(args.datasets, args.prompts)
-    tok = load_smollm2_tokenizer()
-    ids = [apply_chat_template(tok, p.text) for p in prompts]
-    all_variants = [{"name": "plain"}, ngram_variant(*args.ngram)]
-    variants = [v for v in all_variants if v["name"] in args.variants]
-    extra_env = dict(kv.split("=", 1) for kv in args.env)
-    t0 = time.perf_counter()
-    results = bench_vllm(ids, args.concurrency, variants, args.max_new_tokens, args.min_rounds,
-                         dtype=args.dtype, timeout=args.timeout, env=extra_env, keep_tokens=args.keep_tokens)
-    doc = {
-        "format": "specforge.bench.results",
-        "version": 1,
-        "model": SMOLLM2_NAME,
-        "device": f"cpu: {os.cpu_count()} cores",
-        "prompts": [{"dataset": p.dataset, "index": p.index} for p in prompts],
-        "wall_s": round(time.perf_counter() - t0, 2),
-        "results": results,
-    }
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 0 if all(r["status"] in ("ok", "skipped") for r in results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,6 +22,7 @@ Speeds are ratios within one system; vLLM runs in its own venv and process
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -32,9 +33,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from specforge.bench.runner import TEMPERATURE, Report, add_output_arguments, bench_command
 from specforge.errors import ConfigError
 
-__all__ = ["VLLM_METHODS", "VllmDrafterSettings", "passed", "run_vllm_drafter", "save", "table"]
+__all__ = ["COMMAND", "REPORT", "VLLM_METHODS", "VllmDrafterSettings", "passed", "run_vllm_drafter", "table"]
 
 # One request of a few hundred tokens needs megabytes of KV cache; vLLM's CPU default here (4 GiB,
 # vllm_runner) fails to start on a 24 GiB machine that is also training.  The caller's setting wins.
@@ -83,7 +85,9 @@ def _decode(engines: dict[str, Any], prompt_ids: list[list[int]], max_new_tokens
     from specforge.engine import GenerationRequest
 
     def requests(n: int, ids: list[list[int]]) -> list[Any]:
-        return [GenerationRequest(prompt_ids=p, max_new_tokens=n, temperature=0.0, ignore_eos=True) for p in ids]
+        # the benches' greedy decoding: check (a) compares vLLM's tokens with the drafter to its plain ones
+        return [GenerationRequest(prompt_ids=p, max_new_tokens=n, temperature=TEMPERATURE, ignore_eos=True)
+                for p in ids]
 
     for engine in engines.values():
         engine.generate(requests(8, prompt_ids[:1]))
@@ -223,13 +227,41 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def save(result: dict[str, Any], out: str | Path) -> list[Path]:
-    """``bench.json`` and ``table.md`` under ``out``."""
-    from specforge.files import write_atomic
+REPORT = Report("bench.json", table, table_file="table.md")
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "bench.json", out / "table.md"]
-    write_atomic(paths[0], json.dumps(result, indent=2, default=str))
-    write_atomic(paths[1], table(result) + "\n")
-    return paths
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    d = VllmDrafterSettings()
+    p.add_argument("drafter", metavar="DRAFTER_DIR", help="a specforge drafter checkpoint (eagle3, medusa, …)")
+    p.add_argument("--datasets", nargs="+", default=list(d.datasets))
+    p.add_argument("--prompts", type=int, default=d.prompts, help="prompts per eval set")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--tolerance", type=float, default=d.tolerance,
+                   help="largest relative difference of the mean acceptance lengths")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"],
+                   help="both systems' dtype (bfloat16 rounds a γ+1-token verify pass differently from a one-token "
+                        "step, so near-ties flip the greedy output)")
+    p.add_argument("--eval-dir", default=None, metavar="DIR")
+    add_output_arguments(p, "runs/bench-vllm-drafter")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="pipeline overrides for specforge's side, e.g. drafter.gamma=5")
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """serve a drafter trained here with vLLM's CPU build (exported with `specforge export --to vllm`) and
+    compare it with specforge's engine
+
+    Exports DRAFTER_DIR in vLLM's layout, then decodes the same prompts greedily with vLLM (plain and
+    with the drafter as its speculative model) and with specforge's engine (plain and with the
+    drafter).  Checks that vLLM's output with the drafter equals its plain output token for token and
+    that vLLM's mean acceptance length is within the tolerance of ours; reports both systems'
+    speedups over their own plain decoding.  Needs vLLM's CPU build (`make vllm`).  Exit status 1
+    when a check fails.
+    """
+    settings = VllmDrafterSettings(datasets=args.datasets, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                                   tolerance=args.tolerance, dtype=args.dtype, eval_dir=args.eval_dir,
+                                   overrides=args.overrides)
+    return run_vllm_drafter(args.drafter, settings, args.out)
+
+
+COMMAND = bench_command("vllm-drafter", _arguments, _measure, REPORT, passed=passed)

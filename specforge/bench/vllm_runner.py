@@ -17,6 +17,7 @@ Request (JSON)::
                     "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}}],
       "concurrency": [1, 4, 16],
       "max_new_tokens": 128,
+      "temperature": 0.0,       # vLLM's sampling temperature (the caller's; greedy when absent)
       "min_rounds": 2,          # timed rounds per concurrency, at least (c requests per round)
       "warmup_tokens": 16,      # untimed: every prompt once (c at a time), this many tokens
       "dtype": "bfloat16",
@@ -127,6 +128,12 @@ def _spec_decode(before: dict[str, float], after: dict[str, float]) -> dict[str,
             "mean_accepted_per_draft": round(d["accepted_tokens"] / d["drafts"], 4)}
 
 
+def _temperature(req: dict[str, Any]) -> float:
+    """The request's sampling temperature; its caller (specforge.bench.vllm_client) always sends the
+    benches' own, and a request written by hand decodes greedily."""
+    return float(req.get("temperature", 0.0))
+
+
 def _loadavg() -> float | None:
     """1-minute load average: other work on the machine skews the timings."""
     try:
@@ -150,8 +157,8 @@ def _measure(llm: Any, prompts: list[Any], c: int, req: dict[str, Any]) -> dict[
     from vllm import SamplingParams
 
     max_new = int(req.get("max_new_tokens", 128))
-    sp = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
-    warm = SamplingParams(temperature=0.0, max_tokens=int(req.get("warmup_tokens", 16)), ignore_eos=True)
+    sp = SamplingParams(temperature=_temperature(req), max_tokens=max_new, ignore_eos=True)
+    warm = SamplingParams(temperature=_temperature(req), max_tokens=int(req.get("warmup_tokens", 16)), ignore_eos=True)
     plan = rounds_for(len(prompts), c, int(req.get("min_rounds", 2)))
     load_before = _loadavg()
     # Warm-up, untimed: every prompt once, c at a time, a few tokens each, so that the shapes
@@ -220,8 +227,8 @@ def _measure_closed(llm: Any, prompts: list[Any], c: int, req: dict[str, Any]) -
     from vllm import SamplingParams
 
     max_new = int(req.get("max_new_tokens", 128))
-    sp = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
-    warm = SamplingParams(temperature=0.0, max_tokens=int(req.get("warmup_tokens", 16)), ignore_eos=True)
+    sp = SamplingParams(temperature=_temperature(req), max_tokens=max_new, ignore_eos=True)
+    warm = SamplingParams(temperature=_temperature(req), max_tokens=int(req.get("warmup_tokens", 16)), ignore_eos=True)
     llm.generate(prompts[:c], warm, use_tqdm=False)  # untimed: a c-wide decode and its prefills seen once
     load_before = _loadavg()
     before = _spec_counters(llm)

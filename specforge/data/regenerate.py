@@ -35,6 +35,7 @@ from typing import Any
 from specforge.errors import SpecforgeError
 from specforge.data.chat import Conversation, normalize_message
 from specforge.files import remove_leftovers, write_atomic
+from specforge.resume import UnreadableRecord, read_record, refuse_other_settings, write_record
 
 __all__ = [
     "MANIFEST",
@@ -186,26 +187,17 @@ def _decoder_name(engine: Any) -> str:
 
 def _check_existing(out_dir: Path, header: dict[str, Any]) -> dict[str, Any] | None:
     """The existing manifest if ``out_dir`` holds a run of exactly ``header``; raises otherwise."""
-    manifest_path = out_dir / MANIFEST
-    if not manifest_path.exists():
+    try:
+        manifest = read_record(out_dir / MANIFEST)
+    except UnreadableRecord as exc:
+        raise RegenerationError(f"{exc}; remove the directory to start over") from None
+    if manifest is None:
         strays = sorted(p.name for p in out_dir.glob("regen-*.jsonl")) if out_dir.is_dir() else []
         if strays:
             raise RegenerationError(f"{out_dir} holds {strays[0]} but no {MANIFEST}; not resuming an unknown run")
         return None
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RegenerationError(f"{manifest_path} is unreadable ({exc}); remove the directory to start over") from None
-    diffs = [
-        f"  {key}: directory has {_dumps(manifest.get(key))}, this run {_dumps(value)}"
-        for key, value in header.items()
-        if manifest.get(key) != value
-    ]
-    if diffs:
-        raise RegenerationError(
-            f"{out_dir} was regenerated from other inputs or settings; use another directory or remove it:\n"
-            + "\n".join(diffs)
-        )
+    refuse_other_settings(manifest, header, subject=str(out_dir), remedy="use another directory or remove it",
+                          error=RegenerationError)
     for entry in manifest.setdefault("shards", []):
         path = out_dir / entry["file"]
         if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
@@ -267,10 +259,6 @@ def _make_engine(target: Any, max_batch: int, max_context: int | None) -> Any:
     return Engine(target, get_host().create_verifier("rejection"), engine=config)
 
 
-def _write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
-    write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-
-
 def _open_output(out_dir: Path, header: dict[str, Any]) -> dict[str, Any]:
     """The manifest of ``out_dir``: the one there if it was made from ``header``, else a new one."""
     manifest = _check_existing(out_dir, header)  # every refusal happens before anything is written
@@ -279,7 +267,7 @@ def _open_output(out_dir: Path, header: dict[str, Any]) -> dict[str, Any]:
     remove_leftovers(out_dir, "*.tmp*")
     if manifest is None:
         manifest = {**header, "shards": []}
-        _write_manifest(out_dir, manifest)
+        write_record(out_dir / MANIFEST, manifest, indent=1)
     return manifest
 
 
@@ -429,7 +417,7 @@ class _Run:
             # The manifest is updated after the shard lands: a kill in between only means the
             # shard is made again (identically) by the restart.
             self.manifest["shards"].append(entry)
-            _write_manifest(self.out_dir, self.manifest)
+            write_record(self.out_dir / MANIFEST, self.manifest, indent=1)
             self._account(entry)
             self.next_shard += 1
 
@@ -492,24 +480,11 @@ def _header(conversations: Sequence[Conversation], source: str, engine: Any, sam
     }
 
 
-def regenerate(
-    conversations: Iterable[Conversation],
-    target_or_engine: Any,
-    out_dir: str | os.PathLike,
-    *,
-    source: str = "conversations",
-    turns: str = "all",
-    max_new_tokens: int = 512,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int = 0,
-    shard_size: int = 256,
-    max_batch: int = 16,
-    max_context: int | None = None,
-    max_shards: int | None = None,
-    progress: bool = True,
-) -> RegenerationReport:
+def regenerate(conversations: Iterable[Conversation], target_or_engine: Any, out_dir: str | os.PathLike, *,
+               source: str = "conversations", turns: str = "all", max_new_tokens: int = 512,
+               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+               shard_size: int = 256, max_batch: int = 16, max_context: int | None = None,
+               max_shards: int | None = None, progress: bool = True) -> RegenerationReport:
     """Answer every conversation's user turns with the target; write JSONL shards to ``out_dir``.
 
     ``target_or_engine`` is a :class:`~specforge.target.TargetModel` (decoded plainly by an engine

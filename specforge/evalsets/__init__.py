@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -41,6 +41,8 @@ __all__ = [
     "list_datasets",
     "load_turns",
     "packaged_sets",
+    "read_jsonl",
+    "read_prompt_file",
     "select_prompts",
 ]
 
@@ -101,6 +103,19 @@ def load_turns(dataset: str | os.PathLike[str], directory: str | os.PathLike[str
         raise PromptError(f"{path}: no such prompt file (sets in {eval_dir(directory)}: {known}); "
                           "name one of those sets or give the path of a JSONL file of {\"turns\": [...]} rows")
     turns: list[str] = []
+    for lineno, row in read_jsonl(path):
+        t = row.get("turns") if isinstance(row, dict) else None
+        if not isinstance(t, list) or not t or not isinstance(t[0], str) or not t[0].strip():
+            raise PromptError(f'{path}:{lineno}: expected {{"turns": ["<non-empty text>", ...]}}')
+        turns.append(t[0])
+    if not turns:
+        raise PromptError(f"{path}: no prompts")
+    return turns
+
+
+def read_jsonl(path: Traversable) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of every non-blank line of a JSON-lines file; a line that is not
+    JSON raises :class:`PromptError` naming the file and the line."""
     with path.open("r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -109,13 +124,28 @@ def load_turns(dataset: str | os.PathLike[str], directory: str | os.PathLike[str
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise PromptError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            t = row.get("turns") if isinstance(row, dict) else None
-            if not isinstance(t, list) or not t or not isinstance(t[0], str) or not t[0].strip():
-                raise PromptError(f'{path}:{lineno}: expected {{"turns": ["<non-empty text>", ...]}}')
-            turns.append(t[0])
-    if not turns:
+            yield lineno, row
+
+
+def read_prompt_file(path: str | os.PathLike[str]) -> list[Any]:
+    """The prompts of a JSONL file, one per line (``specforge generate --prompts``): the first of a
+    row's ``turns``, its ``prompt`` (text) or its ``messages`` (a chat, as the target's template
+    takes it)."""
+    path = Path(path)
+    prompts: list[Any] = []
+    try:
+        for lineno, row in read_jsonl(path):
+            if isinstance(row, dict) and row.get("turns"):
+                prompts.append(row["turns"][0])
+            elif isinstance(row, dict) and ("prompt" in row or "messages" in row):
+                prompts.append(row["prompt"] if "prompt" in row else row["messages"])
+            else:
+                raise PromptError(f"{path}:{lineno}: expected a 'turns', 'prompt' or 'messages' key")
+    except OSError as exc:
+        raise PromptError(f"{path}: {exc.strerror or exc}") from None
+    if not prompts:
         raise PromptError(f"{path}: no prompts")
-    return turns
+    return prompts
 
 
 def _spread(total: int, k: int) -> list[int]:

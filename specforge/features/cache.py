@@ -89,10 +89,6 @@ def _write_new_file(path: Path, data: bytes) -> None:
         raise CacheIntegrityError(f"{path} appeared while it was being written; left untouched") from None
 
 
-def _write_manifest(directory: Path, manifest: CacheManifest) -> None:
-    write_atomic(directory / MANIFEST, manifest.to_json())  # the manifest is the one file that is rewritten
-
-
 def _shard_problem(data: bytes | None, info: ShardInfo, manifest: CacheManifest) -> str | None:
     """What is wrong with a shard's bytes, in words, or None when it is intact."""
     if info.sha256 is None:
@@ -187,21 +183,9 @@ class FeatureCache:
 
     def __init__(self, directory: str | Path, target: Any = None) -> None:
         self.directory = Path(directory)
-        self.manifest = self._load_manifest(self.directory)
+        self.manifest = CacheManifest.load(self.directory)
         if target is not None:
             _check_target(self.manifest, self.directory, target.name, target_fingerprint(target))
-
-    @staticmethod
-    def _load_manifest(directory: Path) -> CacheManifest:
-        path = directory / MANIFEST
-        if not path.is_file():
-            raise CacheIntegrityError(f"{directory} holds no {MANIFEST}: it is not a feature cache")
-        try:
-            return CacheManifest.from_json(path.read_text())
-        except (ValueError, TypeError, KeyError) as e:
-            if isinstance(e, FeatureCacheError):
-                raise
-            raise CacheIntegrityError(f"{path} is unreadable ({e})") from None
 
     # -- shape of the cache --
 
@@ -308,15 +292,9 @@ def _resume(directory: Path, planned: CacheManifest) -> CacheManifest:
     Everything is checked before anything is computed; a mismatch or a damaged shard raises and
     leaves the directory as it was (the user decides whether to delete what is there).
     """
-    on_disk = FeatureCache._load_manifest(directory)
+    on_disk = CacheManifest.load(directory)
     _check_target(on_disk, directory, planned.target_name, planned.target_fingerprint)
-    old, new = on_disk.settings(), planned.settings()
-    diffs = [k for k in new if k not in ("target_name", "target_args") and old.get(k) != new[k]]
-    if diffs:
-        shown = "; ".join(f"{k}: {old.get(k)!r} on disk, {new[k]!r} now" if k != "shards"
-                          else "shards: computed from other sequences" for k in diffs)
-        raise CacheMismatchError(f"feature cache {directory} was written with other inputs or settings "
-                                 f"({shown}); resume with the same ones or use a new directory")
+    planned.check_resumes(on_disk, directory)
     for info, done in zip(planned.shards, on_disk.shards):
         data = _read_bytes(directory / info.file)
         if done.complete:
@@ -389,7 +367,7 @@ def write_feature_cache(
         raise FeatureCacheError(f"{directory}: the cache needs ≈ {format_bytes(remaining)} more, "
                                 f"only {format_bytes(free)} are free")
     remove_leftovers(directory)
-    _write_manifest(directory, manifest)  # adopted shards are recorded even if nothing is left
+    manifest.save(directory)  # adopted shards are recorded even if nothing is left
     from tqdm.auto import tqdm
 
     bar = tqdm(total=todo_tokens, unit="tok", desc="features", disable=not progress)
@@ -400,7 +378,7 @@ def write_feature_cache(
         data = _shard_bytes(chunk, taps, hidden, i, info.inputs_sha256, fingerprint)
         _write_new_file(directory / info.file, data)
         info.sha256, info.num_bytes = hashlib.sha256(data).hexdigest(), len(data)
-        _write_manifest(directory, manifest)
+        manifest.save(directory)
         bar.update(info.num_tokens)
     bar.close()
     return FeatureCache(directory)

@@ -27,11 +27,13 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from specforge.errors import SpecforgeError
+from specforge.resume import UnreadableRecord, read_record, refuse_other_settings, write_record
 from specforge.target.adapter import dtype_name
 
 __all__ = [
@@ -113,26 +115,45 @@ class CacheManifest:
     mask_dtype: str = dtype_name(MASK_DTYPE)
     format_version: int = FORMAT_VERSION
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1) + "\n"
+    def save(self, directory: Path) -> None:
+        """Replace the manifest in ``directory`` (the one file of a cache that is rewritten)."""
+        write_record(directory / MANIFEST, asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> CacheManifest:
-        raw = json.loads(text)
+    def load(cls, directory: Path) -> CacheManifest:
+        """The manifest of the cache in ``directory``."""
+        path = directory / MANIFEST
+        try:
+            raw = read_record(path)
+        except UnreadableRecord as exc:
+            raise CacheIntegrityError(str(exc)) from None
+        if raw is None:
+            raise CacheIntegrityError(f"{directory} holds no {MANIFEST}: it is not a feature cache")
         if raw.get("format_version") != FORMAT_VERSION:
             raise CacheMismatchError(
                 f"feature cache format version {raw.get('format_version')!r}; this specforge reads "
                 f"version {FORMAT_VERSION}"
             )
-        raw["shards"] = [ShardInfo(**s) for s in raw.get("shards", [])]
-        return cls(**raw)
+        try:
+            raw["shards"] = [ShardInfo(**s) for s in raw.get("shards", [])]
+            return cls(**raw)
+        except TypeError as exc:  # a key missing or unknown
+            raise CacheIntegrityError(f"{path} is unreadable ({exc})") from None
 
-    def settings(self) -> dict[str, Any]:
-        """Everything that must agree for a rerun to resume this cache (all but progress)."""
-        out = asdict(self)
-        out["shards"] = [(s["file"], s["first_sequence"], s["num_sequences"], s["inputs_sha256"])
-                         for s in out["shards"]]
-        return out
+    def check_resumes(self, on_disk: CacheManifest, directory: Path) -> None:
+        """Refuse to continue ``on_disk`` (the manifest in ``directory``) as this planned cache
+        unless everything but progress agrees: the same target (by fingerprint: the same weights
+        under another name make the same features), inputs, layers, dtypes and sharding."""
+        def settings(manifest: CacheManifest) -> dict[str, Any]:
+            out = asdict(manifest)
+            del out["target_name"], out["target_args"]
+            out["shards"] = [(s["file"], s["first_sequence"], s["num_sequences"], s["inputs_sha256"])
+                             for s in out["shards"]]
+            return out
+
+        refuse_other_settings(settings(on_disk), settings(self), subject=f"feature cache {directory}",
+                              remedy="resume with the same ones or use a new directory", error=CacheMismatchError,
+                              summaries={"shards": "computed from other sequences"})
 
 
 def check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> list[int]:

@@ -1,10 +1,20 @@
-"""Target models: loading, the flattened-batch runtime and its KV cache."""
+"""Target models: loading, the flattened-batch runtime and its KV cache.
 
-from specforge.target.adapter import TargetModel
-from specforge.target.args import ModelArgs, UnsupportedModelError
-from specforge.target.batch import VarlenBatch
-from specforge.target.cache import CacheFullError, KVCache
-from specforge.target.loading import TargetLoadError
+Its names are imported on first use (PEP 562): the plug-in authors' toolkit reads two leaf modules
+of this package (:mod:`.linear_plan`, :mod:`.compiled`, for :mod:`specforge.toolkit.projection`),
+and importing a leaf runs this file first — it must not load the runtime and Hugging Face with it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and the API docs (griffe) read; at run time, __getattr__ below
+    from specforge.target.adapter import TargetModel
+    from specforge.target.args import ModelArgs, UnsupportedModelError
+    from specforge.target.batch import VarlenBatch
+    from specforge.target.cache import CacheFullError, KVCache
+    from specforge.target.loading import TargetLoadError
 
 __all__ = [
     "CacheFullError",
@@ -15,3 +25,14 @@ __all__ = [
     "UnsupportedModelError",
     "VarlenBatch",
 ]
+
+_LAZY = {"CacheFullError": "cache", "KVCache": "cache", "ModelArgs": "args", "TargetLoadError": "loading",
+         "TargetModel": "adapter", "UnsupportedModelError": "args", "VarlenBatch": "batch"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"specforge.target.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'specforge.target' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Which matmul kernel a runtime's projections use, by the row count of the matmul.
 
-A :class:`LinearPlan` is shared by every :class:`~specforge.target.model.Projection` of one
+A :class:`LinearPlan` is shared by every :class:`~specforge.toolkit.projection.Projection` of one
 runtime; :func:`specforge.target.precision.measure_precision` measures it on the target's own
 passes (every kernel at every pass size, beside the precision) and caches it with the precision
 plan.  docs: docs/engine.md#precision

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from specforge.target.compiled import register_projection
 from specforge.target.loading import TargetLoadError
-from specforge.target.model import onednn_linear, pack_for_onednn
+from specforge.toolkit.projection import onednn_linear, pack_for_onednn
 
 __all__ = ["GROUP", "HEAD_KERNEL_ROWS", "KERNEL_ROWS", "Int4Projection", "NativeWeightsError", "Q4Blocks",
            "Q8Projection", "bf16_scale_zero", "read_q4", "read_q8", "require_bfloat16", "use_native_weights"]

@@ -1,17 +1,15 @@
-"""Training of model drafters (docs/training.md): the DSpark losses, the config and the trainer.
+"""Training of model drafters (docs/training.md): the config and the trainer.
 
-The trainer's modules import the drafter plug-ins, which may themselves import the losses from
-here, so everything but the losses is imported on first use.
+What a training method implements — the contract and the losses — is the plug-in authors' toolkit
+(:mod:`specforge.toolkit.training`, :mod:`specforge.toolkit.losses`).  The trainer's modules load
+the drafter plug-ins, so they are imported on first use: importing this package stays cheap.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from specforge.training.losses import DSparkLoss, dspark_loss, position_weights, teacher_probs, valid_prefix
-
-__all__ = ["CheckpointError", "DSparkLoss", "TrainConfig", "TrainConfigError", "Trainer", "dspark_loss",
-           "load_train_config", "position_weights", "teacher_probs", "valid_prefix"]
+__all__ = ["CheckpointError", "TrainConfig", "TrainConfigError", "Trainer", "load_train_config"]
 
 _LAZY = {"TrainConfig": "config", "TrainConfigError": "config", "load_train_config": "config",
          "Trainer": "trainer", "CheckpointError": "checkpoint"}

@@ -1,17 +1,17 @@
 """The drafter trainer: any drafter registered with a training method
-(:mod:`specforge.training.contract`), with AdamW, warmup + cosine, clipping, checkpoints and
+(:mod:`specforge.toolkit.training`), with AdamW, warmup + cosine, clipping, checkpoints and
 torchrun.
 
 One step on a global batch of ``batch.sequences`` sequences (rank r takes sequences r, r+W, …):
 
 1. each sequence's anchors are drawn from its own seeded generator (:func:`.data.anchors_for`);
 2. :func:`~specforge.features.pack_blocks` lays the blocks out as the method's
-   :class:`~specforge.training.contract.DataNeeds` ask, over the taps of the batch's sequences
+   :class:`~specforge.toolkit.training.DataNeeds` ask, over the taps of the batch's sequences
    (``ctx_index`` maps block → sequence);
 3. p_t is the target's last hidden state at the teacher rows through the frozen LM head (fp32
    softmax), computed only at supervised positions;
-4. the method's module runs on the :class:`~specforge.training.contract.TrainBatch` and its loss
-   gives a :class:`~specforge.training.contract.LossOutput`;
+4. the method's module runs on the :class:`~specforge.toolkit.training.TrainBatch` and its loss
+   gives a :class:`~specforge.toolkit.training.LossOutput`;
 5. the loss of rank r is rescaled by ``blocks_r · W / blocks_global`` so that DDP's gradient
    *mean* equals the single-process gradient of the loss averaged over all blocks, and every
    logged metric is a global sum / global count: logs match a single process up to float noise.
@@ -34,6 +34,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from specforge.features import SequenceFeatures, pack_blocks
 from specforge.files import replace_atomically, write_atomic
+from specforge.toolkit.losses import teacher_probs
+from specforge.toolkit.training import DataSummary, DraftTraining, LossOutput, TrainBatch, empty_loss
 from specforge.training.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -46,10 +48,8 @@ from specforge.training.checkpoint import (
     write_checkpoint,
 )
 from specforge.training.config import TrainConfig, TrainConfigError
-from specforge.training.contract import DataSummary, DraftTraining, LossOutput, TrainBatch, empty_loss
 from specforge.training.data import FeatureSource, anchors_for, build_source, epoch_order
 from specforge.training.distributed import DistContext, init_distributed
-from specforge.training.losses import teacher_probs
 
 __all__ = ["Trainer", "lr_at"]
 

@@ -12,27 +12,30 @@ specforge's plug-in contract for drafters: drafting with the law it samples from
 side), and training through ``specforge train`` (the ``training=`` registration: the module, the
 loss over a packed batch, what it needs from the data pipeline and its checkpoint format).
 
-Checkpoint: ``config.json`` (method, target, shape) + ``model.safetensors`` (W and the norm).
+It imports from specforge only the contracts and the plug-in authors' toolkit
+(:mod:`specforge.toolkit`): the training contract, and the checkpoint directory every shipped
+drafter uses — ``config.json`` (format, method, target, shape, the weights' sha256) and
+``model.safetensors`` (W and the norm), checked on every load.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from specforge.components import DraftBlock, DraftContext
 from specforge.sampling import sample_with_uniform, warp
-from specforge.training.contract import DataNeeds, LossOutput, MetricNames, TrainBatch
+from specforge.toolkit.checkpoints import DrafterCheckpointError, read_checkpoint, write_checkpoint
+from specforge.toolkit.drafting import LastRows, empty_block, open_round
+from specforge.toolkit.training import BatchModule, DataNeeds, LossOutput, MetricNames, TrainBatch
 
 METHOD = "hidden-head"
-CONFIG, WEIGHTS = "config.json", "model.safetensors"
+VERSION = 1  # of the checkpoint's layout: a loader refuses any other
 
 
 class HiddenHead(nn.Module):
@@ -82,7 +85,7 @@ class HiddenHeadDrafter:
         self.config = config or HiddenHeadConfig()
         self.feature_layers: tuple[int, ...] = ()
         self.head: HiddenHead | None = None
-        self._last: dict[int, Tensor] = {}  # request id -> its newest last-layer state
+        self._last = LastRows()  # each request's newest last-layer state
 
     def bind(self, target: Any) -> None:
         layer = _last_layer(target)
@@ -96,28 +99,22 @@ class HiddenHeadDrafter:
     def draft(self, ctx: DraftContext) -> DraftBlock:
         if self.head is None:
             raise RuntimeError("bind() the drafter to a target first")
-        r = len(ctx)
-        u = ctx.uniforms(1)[:, 0]  # one number per request and round, from its own generator
         f = ctx.features
-        dim = self.head.proj.shape[0]
-        for i, rid in enumerate(ctx.request_ids):
-            if f is not None:
-                _, states = f.request(i)
-                if len(states):
-                    self._last[rid] = states[-1, 0].float()
-        hidden = torch.stack([self._last.get(rid, torch.zeros(dim)) for rid in ctx.request_ids]) if r else \
-            torch.zeros(0, dim)
-        want = ctx.max_tokens.clamp(max=1) if r else torch.zeros(0, dtype=torch.long)
-        if r == 0 or int(want.max()) == 0:
-            return DraftBlock(tokens=torch.zeros(r, 0, dtype=torch.long), lengths=torch.zeros(r, dtype=torch.long))
+        if f is not None:
+            self._last.update(ctx.request_ids, f.cu_seqlens, f.states[:, 0])
+        # One uniform per request and round, from its own generator; one token unless max_tokens is 0.
+        u, lengths, g = open_round(ctx, self.gamma)
+        if g == 0:
+            return empty_block(ctx)
+        hidden = self._last.gather(ctx.request_ids, (self.head.proj.shape[0],), torch.float32)
         logits = self.head(hidden, ctx.anchor)
         probs = warp(logits, ctx.sampling)  # the exact law the token is drawn from
-        tokens = sample_with_uniform(probs, u)
-        return DraftBlock(tokens=tokens[:, None], lengths=want, probs=probs[:, None], logits=logits[:, None],
+        tokens = sample_with_uniform(probs, u[:, 0])
+        return DraftBlock(tokens=tokens[:, None], lengths=lengths, probs=probs[:, None], logits=logits[:, None],
                           anchor=ctx.anchor)
 
     def release(self, request_id: int) -> None:
-        self._last.pop(request_id, None)
+        self._last.release(request_id)
 
 
 # -- the training side ---------------------------------------------------------------------------
@@ -132,19 +129,17 @@ class HiddenHeadTrainConfig(BaseModel):
                                                         "(the rest: CE against the data's token)")
 
 
-class _Module(nn.Module):
-    """The trainable part, called on a whole :class:`TrainBatch` (so DDP can wrap it)."""
+class _Module(BatchModule):
+    """The trainable part, called on a whole :class:`TrainBatch` (``BatchModule`` answers for a
+    rank that drew no block this step, so DDP can wrap it)."""
 
     def __init__(self, head: HiddenHead) -> None:
         super().__init__()
         self.head = head
 
-    def forward(self, batch: TrainBatch | None) -> Tensor:
-        if batch is None:  # a rank with no block this step still joins the all-reduce
-            return sum(p.sum() for p in self.parameters()) * 0.0
-        # The state at the position before each anchor: row anchor − 1 of its sequence's taps.
-        rows = (batch.anchor_pos - 1).clamp_min(0)
-        hidden = batch.ctx[batch.ctx_index, rows]
+    def run(self, batch: TrainBatch) -> Tensor:
+        # The state at the position before each anchor; an anchor at position 0 has none (zeros).
+        hidden = batch.before_anchor()
         hidden = torch.where((batch.anchor_pos > 0)[:, None], hidden, torch.zeros_like(hidden))
         return self.head(hidden, batch.anchor_ids)
 
@@ -181,12 +176,10 @@ class HiddenHeadTraining:
                           positions={"accept_rate": (accept.sum()[None], blocks.float()[None])})
 
     def save(self, directory: Path, provenance: dict[str, Any]) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file({"proj": self.head.proj.detach().cpu().contiguous(), "norm": self.head.norm.detach().cpu()},
-                  str(directory / WEIGHTS))
-        meta = {"method": METHOD, "target": str(self.target.name), "dim": int(self.target.args.dim),
-                "vocab_size": int(self.target.args.vocab_size), "layer": _last_layer(self.target), **provenance}
-        (directory / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+        meta = {"format": METHOD, "version": VERSION, "method": METHOD, "target": str(self.target.name),
+                "dim": int(self.target.args.dim), "vocab_size": int(self.target.args.vocab_size),
+                "layer": _last_layer(self.target), **provenance}
+        write_checkpoint(directory, meta, {"proj": self.head.proj, "norm": self.head.norm})
 
     def load(self, directory: Path) -> None:
         load_checkpoint(self.head, directory, self.target)
@@ -196,18 +189,13 @@ class HiddenHeadTraining:
 
 
 def load_checkpoint(head: HiddenHead, directory: Path, target: Any) -> None:
-    """Weights of a ``hidden-head`` checkpoint, refused when written for another method or shape."""
-    try:
-        meta = json.loads((directory / CONFIG).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{directory}: not a readable {METHOD} checkpoint ({exc})") from None
-    if meta.get("method") != METHOD:
-        raise ValueError(f"{directory}: a {meta.get('method')!r} checkpoint, not {METHOD!r}")
+    """Weights of a ``hidden-head`` checkpoint, refused when damaged (the toolkit checks the
+    weights' hash), written by another method, or for another shape."""
+    meta, tensors = read_checkpoint(directory, METHOD, VERSION, METHOD)
     if meta.get("dim") != target.args.dim or meta.get("vocab_size") != target.args.vocab_size:
-        raise ValueError(f"{directory}: trained for a target with dim={meta.get('dim')}, "
-                         f"vocab_size={meta.get('vocab_size')}; this one has dim={target.args.dim}, "
-                         f"vocab_size={target.args.vocab_size}")
-    tensors = load_file(str(directory / WEIGHTS))
+        raise DrafterCheckpointError(f"{directory}: trained for a target with dim={meta.get('dim')}, "
+                                     f"vocab_size={meta.get('vocab_size')}; this one has dim={target.args.dim}, "
+                                     f"vocab_size={target.args.vocab_size}")
     with torch.no_grad():
         head.proj.copy_(tensors["proj"])
         head.norm.copy_(tensors["norm"])

@@ -10,7 +10,7 @@ Layout of a checkpoint directory::
                        "vocab.d2t" / "vocab.t2d" (EAGLE-3's maps, see specforge.vocab)
 
 The directory, the weights' integrity record and the errors are those of every drafter checkpoint
-(:mod:`specforge_plugins.drafters.checkpoints`).  The target's shared embedding and LM head are
+(:mod:`specforge.toolkit.checkpoints`).  The target's shared embedding and LM head are
 not in it (they are the target's).  A confidence
 head tied to the correction head's W1 has no table of its own and is re-tied on load.
 """
@@ -22,27 +22,17 @@ from typing import Any
 
 from torch import nn
 
-from specforge_plugins.drafters.checkpoints import (
-    DrafterCheckpointError,
-    read_checkpoint,
-    read_vocab,
-    vocab_tensors,
-    write_checkpoint,
-)
+from specforge.toolkit.checkpoints import read_checkpoint, read_vocab, vocab_tensors, write_checkpoint
+from specforge.toolkit.confidence_head import CONFIDENCE_HEADS
+from specforge.toolkit.heads import HEADS
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.model import BlockBackbone
 
-__all__ = ["FORMAT", "VERSION", "DrafterCheckpointError", "load_drafter", "save_drafter"]
+__all__ = ["FORMAT", "VERSION", "load_drafter", "save_drafter"]
 
 FORMAT, VERSION = "specforge-block-drafter", 1
-
-
-def _classes() -> dict[str, type]:
-    # Imported lazily: the heads live in other plug-in modules that import nothing from here.
-    from specforge_plugins.confidence import DSparkConfidence
-    from specforge_plugins.heads import HEADS
-
-    return {**HEADS, "dspark-head": DSparkConfidence}
+# The heads a checkpoint can hold, by the name its config.json records (the components' names).
+_NETWORKS: dict[str, type[nn.Module]] = {**HEADS, **CONFIDENCE_HEADS}
 
 
 def _layout_name(config: BlockDrafterConfig) -> str:
@@ -54,9 +44,9 @@ def _spec(module: nn.Module | None) -> dict[str, Any] | None:
         return None
     if not module.built:
         raise ValueError(f"{type(module).__name__} is not built (bind it to the target first)")
-    name = next((n for n, cls in _classes().items() if type(module) is cls), None)
+    name = next((n for n, cls in _NETWORKS.items() if type(module) is cls), None)
     if name is None:
-        raise ValueError(f"{type(module).__name__} is not a known head; known: {', '.join(_classes())}")
+        raise ValueError(f"{type(module).__name__} is not a known head; known: {', '.join(_NETWORKS)}")
     # The built config carries vocab_size/dim; ``weights`` would point outside, so it is dropped.
     return {"name": name, "config": {**module.config.model_dump(mode="json"), "weights": None}}
 
@@ -100,7 +90,7 @@ def load_drafter(directory: str | Path) -> tuple[BlockBackbone, nn.Module | None
         if spec is None:
             modules[key] = None
             continue
-        cls = _classes()[spec["name"]]
+        cls = _NETWORKS[spec["name"]]
         module = cls(cls.config_model.model_validate(spec["config"]))
         state = part(key)
         if "token_rows" in state:  # trained over the draft vocabulary: its shape first

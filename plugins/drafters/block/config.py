@@ -7,9 +7,11 @@ own choice is the number of draft layers, the tapped target layers, γ and the b
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from specforge.toolkit.drafting import TargetShape, check_draft_vocab_size
 
 __all__ = ["BlockDrafterConfig", "default_tap_layers"]
 
@@ -29,21 +31,10 @@ def default_tap_layers(n_target_layers: int, count: int = 5) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-class BlockDrafterConfig(BaseModel):
-    """Everything needed to rebuild a backbone (stored as JSON next to its safetensors)."""
+class BlockDrafterConfig(TargetShape):
+    """Everything needed to rebuild a backbone (stored as JSON next to its safetensors): the target
+    layer's shape, which the draft layers copy (docs/design/drafters.md), then the drafter's own."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # --- the target's shape (draft layers have the target layer's shape; docs/design/drafters.md) ---
-    vocab_size: int = Field(ge=1)
-    dim: int = Field(ge=1, description="hidden size d of the target (and of the drafter)")
-    n_heads: int = Field(ge=1)
-    n_kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=2)
-    intermediate_size: int = Field(ge=1)
-    n_target_layers: int = Field(ge=1)
-    norm_eps: float = 1e-6
-    activation: Literal["silu", "gelu_tanh"] = "silu"
     qk_norm: bool = False
     rope_theta: float = Field(10000.0, description="used only when the target's inv_freq is not shared")
 
@@ -63,16 +54,12 @@ class BlockDrafterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> BlockDrafterConfig:
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         for layer in self.tap_layers:
             if not 0 <= layer < self.n_target_layers:
                 raise ValueError(f"target layer {layer} is outside the target's {self.n_target_layers} layers")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary")
-        if self.draft_vocab_size is not None and self.draft_vocab_size >= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be smaller than the target's "
-                             f"{self.vocab_size} tokens (leave it unset for the whole vocabulary)")
+        check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
         return self
 
     @property
@@ -92,8 +79,4 @@ class BlockDrafterConfig(BaseModel):
     @classmethod
     def from_model_args(cls, args: Any, **overrides: Any) -> BlockDrafterConfig:
         """Target shape from a :class:`ModelArgs`; drafter choices from ``overrides``."""
-        shape = dict(vocab_size=args.vocab_size, dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                     head_dim=args.head_dim, intermediate_size=args.intermediate_size,
-                     n_target_layers=args.n_layers, norm_eps=args.norm_eps, activation=args.activation,
-                     qk_norm=args.qk_norm)
-        return cls(**{**shape, **overrides})
+        return cls(**{**cls.target_fields(args), "qk_norm": args.qk_norm, **overrides})

@@ -90,15 +90,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from specforge.interop import (InteropError, check_shapes, drop_frozen, load_tensors, mismatch, read_config,
-                               recorded_target, rope_theta, target_tensor)
+from specforge.toolkit.checkpoints import TARGET_SHAPE
+from specforge.toolkit.confidence_head import DSparkConfidence, DSparkHeadConfig
+from specforge.toolkit.formats import (InteropError, check_shapes, drop_frozen, load_tensors, mismatch, read_config,
+                                       recorded_target, rope_theta, target_tensor)
+from specforge.toolkit.heads import HEADS, HeadConfig
 from specforge.vocab import DraftVocab, DraftVocabError
-from specforge_plugins.confidence import DSparkConfidence, DSparkHeadConfig
 from specforge_plugins.drafters.block.checkpoint import load_drafter, save_drafter
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.model import BlockBackbone
-from specforge_plugins.drafters.checkpoints import TARGET_SHAPE
-from specforge_plugins.heads import HEADS, HeadConfig
 
 __all__ = ["DFLASH_FORMATS", "DSPARK_FORMATS", "BlockFormat"]
 

@@ -7,69 +7,28 @@ A block attends bidirectionally inside itself and to every context position stri
 anchor (the anchor itself has no target features yet: the target has not consumed it).
 
 The embedding and LM head are the target's, frozen and *shared* (held by reference in
-:class:`SharedWeights`, never registered as parameters, so they are neither trained nor saved).
+:class:`~specforge.toolkit.layers.SharedWeights`, never registered as parameters, so they are
+neither trained nor saved).
 Attention is plain SDPA with an explicit boolean mask: small blocks, no flex_attention needed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specforge.toolkit.layers import DraftLayerBase, DraftNetwork, RMSNorm, SharedWeights, attend, rotate
+from specforge.toolkit.projection import Projection
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 
-__all__ = ["MASK", "BlockBackbone", "DraftLayer", "SharedWeights", "attend", "block_attention_mask", "gated_mlp"]
+__all__ = ["MASK", "BlockBackbone", "DraftLayer", "PackedLinear", "block_attention_mask"]
 
 #: Sentinel id of a MASK slot when the mask embedding is learned (``mask_token_id=None``).
 MASK = -1
-
-
-@dataclass(frozen=True)
-class SharedWeights:
-    """The target's frozen tensors the drafter reads (by reference, never copied)."""
-
-    embed: Tensor  # [V, d]
-    lm_head: Tensor  # [V, d]
-    embed_scale: float = 1.0  # Gemma scales embeddings by sqrt(d)
-    inv_freq: Tensor | None = None  # the target's RoPE frequencies (its RoPE variant), if shared
-    rope_scaling: float = 1.0
-    # The target's own LM-head projection (pre-packed on CPU), used when no gradient is needed;
-    # training goes through F.linear on ``lm_head`` so autograd can see it.
-    project: Callable[[Tensor], Tensor] | None = None
-
-    @classmethod
-    def from_target(cls, target: nn.Module) -> SharedWeights:
-        """From a :class:`specforge.target.model.Transformer`."""
-        return cls(embed=target.embed, lm_head=target.lm_head, embed_scale=target.args.embed_scale,
-                   inv_freq=target.inv_freq, rope_scaling=target.rope_scaling,
-                   project=getattr(target, "head_projection", None))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def rope(positions: Tensor, inv_freq: Tensor, scaling: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``[B, T]`` positions → cos, sin ``[B, T, 1, head_dim]`` (rotate-half layout, as the target)."""
-    freqs = positions.float()[..., None] * inv_freq.float().to(positions.device)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(dtype)[..., None, :], (emb.sin() * scaling).to(dtype)[..., None, :]
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def block_attention_mask(anchor_pos: Tensor, block_len: int, ctx_positions: Tensor,
@@ -87,7 +46,7 @@ def block_attention_mask(anchor_pos: Tensor, block_len: int, ctx_positions: Tens
     return torch.cat([ctx_ok[:, None, :].expand(b, block_len, c), inside], dim=-1)
 
 
-class DraftLayer(nn.Module):
+class DraftLayer(DraftLayerBase):
     """A pre-norm decoder layer of the target's shape whose keys/values start with the context."""
 
     def __init__(self, c: BlockDrafterConfig) -> None:
@@ -97,12 +56,7 @@ class DraftLayer(nn.Module):
         self.attn_norm = RMSNorm(d, c.norm_eps)
         self.wq = nn.Linear(d, c.n_heads * hd, bias=False)
         self.wkv = nn.Linear(d, 2 * c.n_kv_heads * hd, bias=False)  # shared by context and block
-        self.wo = nn.Linear(c.n_heads * hd, d, bias=False)
-        if c.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(hd, c.norm_eps), RMSNorm(hd, c.norm_eps)
-        self.mlp_norm = RMSNorm(d, c.norm_eps)
-        self.w13 = nn.Linear(d, 2 * c.intermediate_size, bias=False)
-        self.w2 = nn.Linear(c.intermediate_size, d, bias=False)
+        self.add_output(c, c.qk_norm)
 
     def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """``[B, T, d]`` → rotated K and V ``[B, T, KV, hd]``; used for the context *and* the block,
@@ -124,39 +78,17 @@ class DraftLayer(nn.Module):
         k_blk, v_blk = self.kv(h, cos, sin)
         # K = [W_K ctx ; W_K h_blk], V likewise (paper eq. 3); heads first for SDPA.
         o = attend(q, torch.cat([ctx_k, k_blk], dim=1), torch.cat([ctx_v, v_blk], dim=1), mask)
-        x = x + self.wo(o)
-        return x + gated_mlp(self.mlp_norm(x), self.w13, self.w2, c.activation)
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Grouped-query attention: ``q [B, T, H, hd]`` over ``k``/``v`` ``[B, S, KV, hd]`` with a
-    boolean ``mask [B, T, S]`` (True = attend) → ``[B, T, H·hd]``."""
-    b, t, h, hd = q.shape
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
-    rep = h // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=hd ** -0.5)
-    return o.transpose(1, 2).reshape(b, t, h * hd)
-
-
-def gated_mlp(x: Tensor, w13: nn.Module, w2: nn.Module, activation: str) -> Tensor:
-    """The target-shaped MLP: ``w2(act(gate) ⊙ up)`` with ``(gate, up) = w13(x)``."""
-    gate, up = w13(x).chunk(2, dim=-1)
-    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-    return w2(act * up)
+        return self.finish(x, o)
 
 
 class PackedLinear(nn.Module):
-    """An inference-only stand-in for a bias-free ``nn.Linear`` whose weight runs through the
-    target's :class:`~specforge.target.model.Projection` (oneDNN's blocked layout for bf16/fp16
+    """An inference-only stand-in for a bias-free ``nn.Linear`` whose weight runs through a
+    :class:`~specforge.toolkit.projection.Projection` (oneDNN's blocked layout for bf16/fp16
     on CPU, ``F.linear`` elsewhere): the drafter's small matmuls, like the target's, are faster
     packed than re-packed on every call."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        from specforge.target.model import Projection
-
         self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
         self.projection = Projection(self.weight.data, None if linear.bias is None else linear.bias.detach())
 
@@ -164,7 +96,7 @@ class PackedLinear(nn.Module):
         return self.projection(x.to(self.weight.dtype))
 
 
-class BlockBackbone(nn.Module):
+class BlockBackbone(DraftNetwork):
     """Feature fusion + draft layers + final norm; logits through the shared LM head."""
 
     def __init__(self, config: BlockDrafterConfig, shared: SharedWeights | None = None, seed: int = 0,
@@ -189,8 +121,7 @@ class BlockBackbone(nn.Module):
             for p in self.parameters():
                 if p.dim() == 2:
                     nn.init.normal_(p, std=0.02)
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.own_rope(c.head_dim, c.rope_theta)
         # A plain dataclass: the target's tensors never become parameters.
         self.shared = None if shared is None else self._restricted(shared)
 
@@ -203,14 +134,8 @@ class BlockBackbone(nn.Module):
         only (a frozen copy, packed like the target's own head when that one is)."""
         if self.vocab is None:
             return shared
-        from specforge.target.model import Projection
-
         head = shared.lm_head.detach()[self.vocab.ids.to(shared.lm_head.device)].contiguous()
         return replace(shared, lm_head=head, project=Projection(head) if shared.project is not None else None)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
 
     def pack(self) -> BlockBackbone:
         """For inference: every linear layer through a :class:`PackedLinear` (no training after)."""
@@ -219,11 +144,6 @@ class BlockBackbone(nn.Module):
                 if isinstance(child, nn.Linear):
                     setattr(module, name, PackedLinear(child))
         return self
-
-    def _shared(self) -> SharedWeights:
-        if self.shared is None:
-            raise RuntimeError("bind() the backbone to the target's SharedWeights first")
-        return self.shared
 
     def make_block(self, anchor: Tensor) -> Tensor:
         """``[B]`` anchors → ``[B, S]`` input ids ``[anchor, MASK, …]`` (S = γ or γ+1)."""
@@ -234,19 +154,10 @@ class BlockBackbone(nn.Module):
         return ids
 
     def embed(self, ids: Tensor) -> Tensor:
-        sh = self._shared()
-        x = F.embedding(ids.clamp_min(0), sh.embed).to(self.dtype)
-        if sh.embed_scale != 1.0:
-            x = x * sh.embed_scale
+        x = super().embed(ids)
         if self.mask_embed is not None:
             x = torch.where((ids == MASK)[..., None], self.mask_embed.to(x.dtype), x)
         return x
-
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        sh = self.shared
-        if sh is not None and sh.inv_freq is not None:
-            return rope(positions, sh.inv_freq, sh.rope_scaling, self.dtype)
-        return rope(positions, self.inv_freq, 1.0, self.dtype)
 
     def fuse(self, features: Tensor) -> Tensor:
         """``[N, C, m·d]`` concatenated tapped target states → ``ctx [N, C, d]``."""
@@ -260,7 +171,7 @@ class BlockBackbone(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Base logits U through the frozen shared LM head, float32 (as the target's)."""
-        shared = self._shared()
+        shared = self.bound()
         head = shared.lm_head
         if shared.project is not None and not torch.is_grad_enabled():
             return shared.project(hidden.to(head.dtype)).float()

@@ -1,9 +1,12 @@
 """Training the block drafters (``dspark``, ``dflash``) through the training contract.
 
 The method trains the backbone together with the pipeline components DSpark's round runs after
-it — a trainable correction head (``markov``, ``gated``, ``rnn``, or any registered head marked
-``trainable``) and the ``dspark-head`` confidence estimator — as one module, on DSpark's
-objective (paper §3.3, eq. 9–12; :func:`specforge.training.losses.dspark_loss`):
+it — a trainable correction head (``markov``, ``gated`` or ``rnn``) and the ``dspark-head``
+confidence estimator — as one module, on DSpark's objective (paper §3.3, eq. 9–12;
+:func:`specforge.toolkit.losses.dspark_loss`).  The heads are the toolkit's networks
+(:mod:`specforge.toolkit.heads`, :mod:`specforge.toolkit.confidence_head`), which the pipeline's
+components of those names serve; only they can be trained here, since only they are saved in the
+checkpoint.  One step:
 
 1. the backbone drafts every packed block in one pass over the fused taps of the batch's
    sequences;
@@ -26,20 +29,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from torch import Tensor, nn
 
 from specforge.errors import SectionError
-from specforge.plugins import get_host
-from specforge.registry import ComponentKind
-from specforge.training.contract import DataNeeds, DataSummary, LossOutput, MetricNames, TrainBatch
-from specforge.training.losses import dspark_loss
-from specforge.vocab import DraftVocab, DraftVocabError
-from specforge_plugins.drafters.block.checkpoint import DrafterCheckpointError, load_drafter, save_drafter
+from specforge.toolkit.checkpoints import DrafterCheckpointError
+from specforge.toolkit.confidence_head import CONFIDENCE_HEADS
+from specforge.toolkit.heads import HEADS
+from specforge.toolkit.layers import SharedWeights
+from specforge.toolkit.losses import dspark_loss
+from specforge.toolkit.training import BatchModule, DataNeeds, LossOutput, MetricNames, TrainBatch
+from specforge.toolkit.vocab_training import VocabTraining, same_vocab
+from specforge.vocab import DraftVocab
+from specforge_plugins.drafters.block.checkpoint import load_drafter, save_drafter
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
-from specforge_plugins.drafters.block.model import MASK, BlockBackbone, SharedWeights
+from specforge_plugins.drafters.block.model import MASK, BlockBackbone
 
 __all__ = ["BlockTrainConfig", "BlockTraining", "DFlashTrainConfig", "DFlashTraining", "DrafterModule", "LossWeights",
            "dflash_decay"]
 
 NONE = "none"  # no correction head / no confidence head
-
 
 class LossWeights(BaseModel):
     """λ of L = λ_ce·L_ce + λ_tv·L_tv + λ_conf·L_conf (paper eq. 12) and the decay of the
@@ -61,8 +66,8 @@ def dflash_decay(gamma: int) -> float:
     return DFLASH_DECAY.get(gamma, gamma / 2)
 
 
-def _component(kind: ComponentKind, value: Any, default: str) -> dict[str, Any]:
-    """``{"name": …, <that component's keys>}`` validated against its registration; the result
+def _component(networks: dict[str, type[nn.Module]], label: str, value: Any, default: str) -> dict[str, Any]:
+    """``{"name": …, <that network's keys>}`` validated against its config model; the result
     carries every key with its default, as the checkpoint's training config records it."""
     if not isinstance(value, dict):
         raise SectionError([("", f"expected a mapping with a name, got {value!r}")])
@@ -70,12 +75,10 @@ def _component(kind: ComponentKind, value: Any, default: str) -> dict[str, Any]:
     name = raw.pop("name", default)
     if name == NONE and not raw:
         return {"name": NONE}
-    host = get_host()
-    trainable = [n for n, r in host.registry.of_kind(kind).items() if getattr(r.metadata, "trainable", False)]
-    if name not in trainable:
-        raise SectionError([("name", f"{name!r} is not a trainable {kind.label}; choose one of: "
-                                     f"{', '.join(sorted(trainable + [NONE]))}")])
-    model = host.get(kind, name).config
+    if name not in networks:
+        raise SectionError([("name", f"{name!r} is not a trainable {label}; choose one of: "
+                                     f"{', '.join(sorted([*networks, NONE]))}")])
+    model = networks[name].config_model
     try:
         config = model.model_validate(raw)
     except ValidationError as exc:
@@ -113,12 +116,12 @@ class BlockTrainConfig(BaseModel):
     @field_validator("head", mode="before")
     @classmethod
     def _head(cls, value: Any) -> dict[str, Any]:
-        return _component(ComponentKind.CORRECTION_HEAD, value, "markov")
+        return _component(HEADS, "correction head", value, "markov")
 
     @field_validator("confidence", mode="before")
     @classmethod
     def _confidence(cls, value: Any) -> dict[str, Any]:
-        return _component(ComponentKind.CONFIDENCE, value, "dspark-head")
+        return _component(CONFIDENCE_HEADS, "confidence estimator", value, "dspark-head")
 
     @model_validator(mode="after")
     def _tie(self) -> BlockTrainConfig:
@@ -127,7 +130,7 @@ class BlockTrainConfig(BaseModel):
         return self
 
 
-class DrafterModule(nn.Module):
+class DrafterModule(BatchModule):
     """Backbone, correction head and confidence head as one module, so DDP wraps (and
     all-reduces) all of it at once."""
 
@@ -135,10 +138,7 @@ class DrafterModule(nn.Module):
         super().__init__()
         self.backbone, self.head, self.confidence = backbone, head, confidence
 
-    def forward(self, batch: TrainBatch | None) -> tuple[Tensor, Tensor | None] | Tensor:
-        if batch is None:
-            # A rank whose sequences gave no block still joins the gradient all-reduce (zeros).
-            return sum(p.sum() for p in self.parameters()) * 0.0
+    def run(self, batch: TrainBatch) -> tuple[Tensor, Tensor | None]:
         hidden, logits = self.backbone(batch.block_ids, batch.ctx, batch.anchor_pos, ctx_valid=batch.ctx_valid,
                                        ctx_index=batch.ctx_index)
         if self.head is not None:
@@ -147,27 +147,26 @@ class DrafterModule(nn.Module):
         return logits, conf
 
 
-class BlockTraining:
+def _network(networks: dict[str, type[nn.Module]], spec: dict[str, Any], vocab: DraftVocab | None,
+             target: Any) -> nn.Module | None:
+    """The head ``spec`` names (``None`` for none), over ``vocab`` and sized from ``target``."""
+    if spec["name"] == NONE:
+        return None
+    cls = networks[spec["name"]]
+    module = cls(cls.config_model.model_validate({k: v for k, v in spec.items() if k != "name"}))
+    if vocab is not None:
+        module.restrict(vocab.token_rows())
+    module.bind(target)
+    return module
+
+
+class BlockTraining(VocabTraining):
     """One training run of a DSpark-layout block drafter (see the module docstring)."""
 
     method = "dspark"
     predict_anchor = True
     config = BlockTrainConfig
     metrics = MetricNames(means=("ce", "tv", "conf", "tau"), sums=("supervised",), positions=("accept_rate",))
-
-    def __init__(self, config: BlockTrainConfig, target: Any, device: torch.device | str = "cpu") -> None:
-        self.settings = config
-        self.target = target
-        self.device = device
-        self.target_name = str(target.name)
-        if config.draft_vocab is not None and config.draft_vocab >= target.args.vocab_size:
-            raise DraftVocabError(f"drafter.draft_vocab: {config.draft_vocab} is not smaller than the target's "
-                                  f"{target.args.vocab_size} tokens (leave it unset for the whole vocabulary)")
-        self.vocab: DraftVocab | None = None
-        self.block_config = self._block_config(None)
-        self._module: DrafterModule | None = None
-        if config.draft_vocab is None:  # nothing depends on the data: build now
-            self._module = self._build(None)
 
     def _block_config(self, vocab: DraftVocab | None) -> BlockDrafterConfig:
         c = self.settings
@@ -177,50 +176,22 @@ class BlockTraining:
             draft_vocab_size=None if vocab is None else vocab.size,
             **({} if c.qk_norm is None else {"qk_norm": c.qk_norm}))
 
-    def prepare(self, summary: DataSummary) -> None:
-        """With ``draft_vocab``: the N most frequent supervised tokens of the data become the
-        draft vocabulary, and the module is built over them."""
-        if self.settings.draft_vocab is None or self._module is not None:
-            return
-        self.vocab, self.coverage = DraftVocab.from_data(summary.token_counts, self.settings.draft_vocab)
-        self.block_config = self._block_config(self.vocab)
-        self._module = self._build(self.vocab)
-
-    @property
-    def module(self) -> DrafterModule:
-        if self._module is None:
-            raise RuntimeError("prepare() the method with the data's token counts first (draft_vocab is set)")
-        return self._module
-
     def _build(self, vocab: DraftVocab | None) -> DrafterModule:
         config, target, device = self.settings, self.target, self.device
         rt = target.runtime
-        shared = SharedWeights.from_target(rt)
-        if torch.device(device).type != "cpu":  # the drafter reads the target's frozen tensors on its device
-            shared = SharedWeights(rt.embed.to(device), rt.lm_head.to(device), shared.embed_scale,
-                                   None if rt.inv_freq is None else rt.inv_freq.to(device), shared.rope_scaling)
-        backbone = BlockBackbone(self.block_config, shared, seed=config.seed, vocab=vocab)
+        backbone = BlockBackbone(self._block_config(vocab), SharedWeights.from_target(rt, device), seed=config.seed,
+                                 vocab=vocab)
         if config.norm_init_scale is not None:  # the frozen LM head was trained on the target's norm's scale
             with torch.no_grad():
                 backbone.norm.weight.copy_(config.norm_init_scale * rt.norm.detach().float())
-        host = get_host()
-        parts = {}
-        for kind, spec in ((ComponentKind.CORRECTION_HEAD, config.head), (ComponentKind.CONFIDENCE, config.confidence)):
-            if spec["name"] == NONE:
-                parts[kind] = None
-                continue
-            module = host.create(kind, spec["name"], {k: v for k, v in spec.items() if k != "name"})
-            if vocab is not None:
-                module.restrict(vocab.token_rows())
-            module.bind(target)
-            parts[kind] = module
-        head, confidence = parts[ComponentKind.CORRECTION_HEAD], parts[ComponentKind.CONFIDENCE]
-        if confidence is not None and getattr(confidence.config, "embedding", None) == "head":
+        head = _network(HEADS, config.head, vocab, target)
+        confidence = _network(CONFIDENCE_HEADS, config.confidence, vocab, target)
+        if confidence is not None and confidence.config.embedding == "head":
             confidence.tie(head)
         return DrafterModule(backbone, head, confidence).to(device)
 
     def needs(self) -> DataNeeds:
-        c = self.block_config
+        c = self._block_config(self.vocab)
         return DataNeeds(layers=tuple(c.tap_layers), block=c.gamma, input_len=c.block_len,
                          mask_token_id=MASK if c.mask_token_id is None else c.mask_token_id,
                          token_counts=self.settings.draft_vocab is not None)
@@ -234,7 +205,7 @@ class BlockTraining:
             p_t = p_t[..., ids]
             outside = (1 - p_t.sum(-1)).clamp_min(0)
             labels = self.vocab.to_draft(labels.clamp_min(0)).masked_fill(labels < 0, -1)
-        res = dspark_loss(logits, labels, p_t, batch.valid, conf, gamma=w.decay or self.block_config.gamma,
+        res = dspark_loss(logits, labels, p_t, batch.valid, conf, gamma=w.decay or self.settings.gamma,
                           ce_weight=w.ce_weight, tv_weight=w.tv_weight, conf_weight=w.conf_weight, outside=outside)
         return LossOutput(total=res.total, blocks=res.mask[:, 0].sum(),
                           means={"ce": res.ce, "tv": res.tv, "conf": res.conf, "tau": res.tau},
@@ -243,15 +214,13 @@ class BlockTraining:
 
     def save(self, directory: Path, provenance: dict[str, Any]) -> None:
         m = self.module
-        extra = {} if self.vocab is None else {"draft_vocab": self.vocab.size, "train_coverage": self.coverage}
         save_drafter(directory, m.backbone, m.head, m.confidence,
-                     {"kind": self.method, "gamma": self.block_config.gamma, **provenance, **extra},
+                     {"kind": self.method, "gamma": self.settings.gamma, **provenance, **self.vocab_record()},
                      method=self.method, target=self.target_name)
 
     def load(self, directory: Path) -> None:
         backbone, head, confidence, _ = load_drafter(directory)
-        if (backbone.vocab is None) != (self.vocab is None) or (
-                self.vocab is not None and not torch.equal(backbone.vocab.ids, self.vocab.ids)):
+        if not same_vocab(backbone.vocab, self.vocab):
             raise DrafterCheckpointError(f"{directory}: its draft vocabulary differs from the one this run's data "
                                          "gives (resume with the same data and drafter.draft_vocab)")
         m = self.module
@@ -266,7 +235,7 @@ class BlockTraining:
 
     def pipeline(self, directory: Path) -> dict[str, Any]:
         head, conf = self.settings.head, self.settings.confidence
-        sections: dict[str, Any] = {"drafter": {"name": self.method, "checkpoint": str(directory)},
+        sections: dict[str, Any] = {"drafter": self.drafter_section(directory),
                                     "correction_head": {"name": head["name"]}}
         if head["name"] != NONE:
             sections["correction_head"]["rank"] = head["rank"]

@@ -5,7 +5,7 @@ One round for R requests:
 1. *Context.*  The engine hands over the three fused layers' outputs at the positions each request
    committed since its previous draft (ending just before the anchor x_0).  For each such row t
    the drafter appends the layer's K/V of (x_{t+1}, g_t) to the request's draft KV cache
-   (:class:`~specforge_plugins.drafters.block.context.ContextCache`) — x_{t+1} is known, it was
+   (:class:`~specforge.toolkit.context_cache.ContextCache`) — x_{t+1} is known, it was
    committed — and keeps g of the last row.
 2. *Chain.*  Step 1 reads (x_0, g_{a−1}) and predicts x_1; step k reads (x_{k−1}, y_{k−1}), its
    own previous output, and attends to the cache and to the chain so far
@@ -32,10 +32,11 @@ from torch import Tensor
 
 from specforge.components import DraftBlock, DraftContext
 from specforge.sampling import sample_with_uniform, warp
+from specforge.toolkit.checkpoints import TARGET_SHAPE, check_fits
+from specforge.toolkit.context_cache import ContextCache
+from specforge.toolkit.drafting import LastRows, empty_block, open_round
+from specforge.toolkit.layers import SharedWeights
 from specforge.vocab import DraftVocab
-from specforge_plugins.drafters.block.context import ContextCache
-from specforge_plugins.drafters.block.model import SharedWeights
-from specforge_plugins.drafters.checkpoints import TARGET_SHAPE, check_fits
 from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, load_eagle3
 from specforge_plugins.drafters.eagle3.tree import DynamicTree, grow_tree
 
@@ -75,7 +76,7 @@ class Eagle3Drafter:
         self.model: Eagle3Model | None = None
         self.feature_layers: tuple[int, ...] = ()
         self._cache: ContextCache | None = None
-        self._last: dict[int, Tensor] = {}  # request id -> g of the row just before its anchor
+        self._last = LastRows()  # g of the row just before each request's anchor
 
     def bind(self, target: Any) -> None:
         args, runtime = target.args, target.runtime
@@ -99,7 +100,7 @@ class Eagle3Drafter:
         return None if self.model is None else self.model.vocab
 
     def release(self, request_id: int) -> None:
-        self._last.pop(request_id, None)
+        self._last.release(request_id)
         if self._cache is not None:
             self._cache.release(request_id)
 
@@ -108,27 +109,22 @@ class Eagle3Drafter:
         if self.model is None or self._cache is None:
             raise RuntimeError("bind() the drafter to a target first")
         self._ingest(ctx)
-        r, anchor = len(ctx), ctx.anchor
-        u = ctx.uniforms(self.gamma)  # a fixed count per round: a request's stream ignores its batch-mates
-        have = torch.tensor([rid in self._last for rid in ctx.request_ids], dtype=torch.bool)
-        lengths = torch.where(have, torch.clamp(ctx.max_tokens, max=self.gamma), 0)
-        g = int(lengths.max()) if r else 0
+        u, lengths, g = open_round(ctx, self.gamma, self._last.ready(ctx.request_ids))
         if g == 0:
-            return DraftBlock(tokens=torch.zeros(r, 0, dtype=torch.long), lengths=torch.zeros(r, dtype=torch.long),
-                              anchor=anchor)
+            return empty_block(ctx)
+        r, anchor = len(ctx), ctx.anchor
         model, vocab = self.model, self.model.vocab
-        for rid, h, ok in zip(ctx.request_ids, ctx.histories, have.tolist()):
+        for rid, h, n in zip(ctx.request_ids, ctx.histories, lengths.tolist()):
             held = self._cache.length(rid)
-            if ok and held != len(h) - 1:  # the context must be exactly the committed tokens before x_0
+            if n and held != len(h) - 1:  # the context must be exactly the committed tokens before x_0
                 raise RuntimeError(f"request {rid}: the draft context holds {held} positions, the anchor is at "
                                    f"position {len(h) - 1}")
         ((ctx_k, ctx_v),), _, valid = self._cache.gather(ctx.request_ids)
-        valid[~have, 0] = True  # a request that drafts nothing reads a zero row, not an empty softmax
-        dim = model.shape.dim
-        g0 = torch.stack([self._last.get(rid, torch.zeros(dim, dtype=model.dtype)) for rid in ctx.request_ids])
+        valid[lengths == 0, 0] = True  # a request that drafts nothing reads a zero row, not an empty softmax
+        g0 = self._last.gather(ctx.request_ids, (model.shape.dim,), model.dtype)
         pos0 = torch.tensor([len(h) - 2 for h in ctx.histories], dtype=torch.long).clamp_min(0)
         if self.config.tree is not None:
-            return self._draft_tree(ctx, g0, pos0, ctx_k, ctx_v, valid, have, g)
+            return self._draft_tree(ctx, g0, pos0, ctx_k, ctx_v, valid, lengths, g)
         tokens = torch.zeros(r, g, dtype=torch.long)
         laws: list[Tensor] = []
 
@@ -148,15 +144,16 @@ class Eagle3Drafter:
                           anchor=anchor)
 
     def _draft_tree(self, ctx: DraftContext, g0: Tensor, pos0: Tensor, ctx_k: Tensor, ctx_v: Tensor, valid: Tensor,
-                    have: Tensor, depth: int) -> DraftBlock:
+                    lengths: Tensor, depth: int) -> DraftBlock:
         """EAGLE-2's dynamic tree of ``depth`` ≤ γ levels; a request keeps the nodes no deeper than its
-        ``max_tokens`` (a prefix: the tree is breadth first)."""
+        chain length in ``lengths`` (its ``max_tokens`` capped by γ; 0: none) — a prefix, as the tree
+        is breadth first."""
         model, vocab, tree = self.model, self.model.vocab, self.config.tree
         grown = grow_tree(model, model.embed(ctx.anchor), g0, pos0, ctx_k, ctx_v, valid, depth, tree.topk,
                           tree.nodes, (lambda ids: ids) if vocab is None else vocab.to_target)
         tokens = grown.tokens if vocab is None else vocab.to_target(grown.tokens)
         logits = grown.logits if vocab is None else vocab.spread(grown.logits, float("-inf"))
-        lengths = torch.where(have, (grown.depth <= ctx.max_tokens[:, None]).sum(1), 0)
+        lengths = (grown.depth <= lengths[:, None]).sum(1)
         return DraftBlock(tokens=tokens, lengths=lengths, logits=logits, hidden=model.norm(grown.hidden).float(),
                           anchor=ctx.anchor, parents=grown.parents)
 
@@ -175,6 +172,4 @@ class Eagle3Drafter:
         k, v, g = self.model.context_kv(f.states.flatten(1), following, f.positions)
         starts = f.positions[f.cu_seqlens[:-1].clamp(max=n - 1)]
         self._cache.extend_many(ctx.request_ids, starts, counts, [(k, v)])
-        for r, (rid, hi) in enumerate(zip(ctx.request_ids, f.cu_seqlens[1:].tolist())):
-            if counts[r] > 0:
-                self._last[rid] = g[hi - 1].clone()
+        self._last.update(ctx.request_ids, f.cu_seqlens, g)

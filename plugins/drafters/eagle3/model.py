@@ -18,22 +18,22 @@ default, and every checkpoint that does not record it) they are not.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from specforge.vocab import DraftVocab
-from specforge_plugins.drafters.block.model import RMSNorm, SharedWeights, attend, gated_mlp, rope, rotate
-from specforge_plugins.drafters.checkpoints import (
+from specforge.toolkit.checkpoints import (
     DrafterCheckpointError,
     read_checkpoint,
     read_vocab,
     vocab_tensors,
     write_checkpoint,
 )
+from specforge.toolkit.drafting import TargetShape, check_draft_vocab_size
+from specforge.toolkit.layers import DraftLayerBase, DraftNetwork, RMSNorm, SharedWeights, attend, rotate
+from specforge.vocab import DraftVocab
 
 __all__ = ["FORMAT", "VERSION", "Eagle3Model", "Eagle3Shape", "eagle3_layers", "load_eagle3", "rope_base",
            "save_eagle3"]
@@ -49,20 +49,10 @@ def eagle3_layers(n_target_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(max(i, 0), top) for i in (1, n_target_layers // 2 - 1, n_target_layers - 4)}))
 
 
-class Eagle3Shape(BaseModel):
-    """Everything needed to rebuild the model (stored in the checkpoint's config.json)."""
+class Eagle3Shape(TargetShape):
+    """Everything needed to rebuild the model (stored in the checkpoint's config.json): the target
+    layer's shape, which the decoder layer copies, then the drafter's own fields."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    vocab_size: int = Field(ge=1)
-    dim: int = Field(ge=1)
-    n_heads: int = Field(ge=1)
-    n_kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=2)
-    intermediate_size: int = Field(ge=1)
-    n_target_layers: int = Field(ge=1)
-    norm_eps: float = 1e-6
-    activation: Literal["silu", "gelu_tanh"] = "silu"
     # The target's RoPE base and context (what an exported config must state; the model itself
     # reads the target's frequencies when bound).  None: not recorded, or a scaled RoPE.
     rope_theta: float | None = None
@@ -73,24 +63,17 @@ class Eagle3Shape(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> Eagle3Shape:
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         bad = [i for i in self.layers if not 0 <= i < self.n_target_layers]
         if bad or not self.layers:
             raise ValueError(f"fused layers {list(self.layers)} must lie in the target's {self.n_target_layers} layers")
-        if self.draft_vocab_size is not None and self.draft_vocab_size >= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be smaller than the target's "
-                             f"{self.vocab_size} tokens (leave it unset for the whole vocabulary)")
+        check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
         return self
 
     @classmethod
     def from_model_args(cls, args: Any, runtime: Any = None, **overrides: Any) -> Eagle3Shape:
         """The shape for a target (``args``; ``runtime``: its RoPE base is read from it)."""
-        shape = dict(vocab_size=args.vocab_size, dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                     head_dim=args.head_dim, intermediate_size=args.intermediate_size,
-                     n_target_layers=args.n_layers, norm_eps=args.norm_eps, activation=args.activation,
-                     layers=eagle3_layers(args.n_layers), max_positions=args.max_positions,
-                     rope_theta=None if runtime is None else rope_base(runtime, args.head_dim))
+        shape = {**cls.target_fields(args), "layers": eagle3_layers(args.n_layers), "max_positions": args.max_positions,
+                 "rope_theta": None if runtime is None else rope_base(runtime, args.head_dim)}
         return cls(**{**shape, **{k: v for k, v in overrides.items() if v is not None}})
 
 
@@ -106,7 +89,7 @@ def rope_base(runtime: Any, head_dim: int) -> float | None:
     return theta if torch.allclose(again, inv.double(), rtol=1e-5) else None
 
 
-class Eagle3Layer(nn.Module):
+class Eagle3Layer(DraftLayerBase):
     """The decoder layer over [RMSNorm(emb) ; RMSNorm(hidden)] (see the module docstring)."""
 
     def __init__(self, s: Eagle3Shape) -> None:
@@ -118,12 +101,7 @@ class Eagle3Layer(nn.Module):
         self.wq = nn.Linear(2 * d, s.n_heads * hd, bias=False)
         self.wk = nn.Linear(2 * d, s.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(2 * d, s.n_kv_heads * hd, bias=False)
-        self.wo = nn.Linear(s.n_heads * hd, d, bias=False)
-        if s.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(hd, s.norm_eps), RMSNorm(hd, s.norm_eps)
-        self.mlp_norm = RMSNorm(d, s.norm_eps)
-        self.w13 = nn.Linear(d, 2 * s.intermediate_size, bias=False)
-        self.w2 = nn.Linear(s.intermediate_size, d, bias=False)
+        self.add_output(s, s.qk_norm)
 
     def project(self, emb: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``[..., d]`` each → rotated q ``[..., H, hd]``, k and v ``[..., KV, hd]``."""
@@ -135,13 +113,8 @@ class Eagle3Layer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rotate(q, cos, sin), rotate(k, cos, sin), self.wv(a).view(*lead, s.n_kv_heads, s.head_dim)
 
-    def finish(self, hidden: Tensor, attended: Tensor) -> Tensor:
-        """The residual from the hidden state, then the MLP: y ``[B, T, d]``."""
-        x = hidden + self.wo(attended)
-        return x + gated_mlp(self.mlp_norm(x), self.w13, self.w2, self.s.activation)
 
-
-class Eagle3Model(nn.Module):
+class Eagle3Model(DraftNetwork):
     """Fusion, the decoder layer, final norm and the drafter's own LM head."""
 
     def __init__(self, shape: Eagle3Shape, seed: int = 0, vocab: DraftVocab | None = None) -> None:
@@ -158,8 +131,7 @@ class Eagle3Model(nn.Module):
             for p in self.parameters():
                 if p.dim() == 2:
                     nn.init.normal_(p, std=0.02)
-        inv_freq = 1.0 / (shape.rope_theta or 10000.0) ** (torch.arange(0, shape.head_dim, 2).float() / shape.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.own_rope(shape.head_dim, shape.rope_theta or 10000.0)
         self.shared: SharedWeights | None = None
 
     def bind(self, shared: SharedWeights, init_head: bool = False) -> Eagle3Model:
@@ -174,23 +146,6 @@ class Eagle3Model(nn.Module):
             with torch.no_grad():
                 self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
         return self
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    def embed(self, ids: Tensor) -> Tensor:
-        sh = self.shared
-        if sh is None:
-            raise RuntimeError("bind() the model to the target's SharedWeights first")
-        x = F.embedding(ids.clamp_min(0), sh.embed).to(self.dtype)
-        return x * sh.embed_scale if sh.embed_scale != 1.0 else x
-
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        sh = self.shared
-        if sh is not None and sh.inv_freq is not None:
-            return rope(positions, sh.inv_freq, sh.rope_scaling, self.dtype)
-        return rope(positions, self.inv_freq, 1.0, self.dtype)
 
     def fuse(self, features: Tensor) -> Tensor:
         """``[..., m·d]`` concatenated tapped target states → g ``[..., d]``."""

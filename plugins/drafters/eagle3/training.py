@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from torch import Tensor, nn
+from torch import Tensor
 
-from specforge.training.contract import DataNeeds, DataSummary, LossOutput, MetricNames, TrainBatch
-from specforge.training.losses import chain_loss
-from specforge.vocab import DraftVocab, DraftVocabError
-from specforge_plugins.drafters.block.model import SharedWeights
-from specforge_plugins.drafters.checkpoints import DrafterCheckpointError
+from specforge.toolkit.layers import SharedWeights
+from specforge.toolkit.losses import CHAIN_METRICS, chain_loss
+from specforge.toolkit.training import BatchModule, DataNeeds, LossOutput, TrainBatch
+from specforge.toolkit.vocab_training import VocabTraining, check_resumable
+from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, load_eagle3, save_eagle3
 
 __all__ = ["Eagle3TrainConfig", "Eagle3Training"]
@@ -45,17 +45,15 @@ class Eagle3TrainConfig(BaseModel):
                           "(True is what DeepSpec's Qwen3Eagle3Model holds: export --to deepspec needs it)")
 
 
-class _Module(nn.Module):
+class _Module(BatchModule):
     """The model with the batch plumbing: what the trainer wraps (in DDP under torchrun)."""
 
     def __init__(self, model: Eagle3Model, steps: int) -> None:
         super().__init__()
         self.model, self.steps = model, steps
 
-    def forward(self, batch: TrainBatch | None) -> Tensor:
+    def run(self, batch: TrainBatch) -> Tensor:
         m = self.model
-        if batch is None:  # a rank with no blocks still joins the gradient all-reduce
-            return sum(p.sum() for p in self.parameters()) * 0.0
         if batch.ctx_ids is None:
             raise ValueError("eagle3 needs TrainBatch.ctx_ids (the tokens of the context rows)")
         ids, ctx = batch.ctx_ids, batch.ctx
@@ -77,23 +75,16 @@ class _Module(nn.Module):
         return logits
 
 
-class Eagle3Training:
+class Eagle3Training(VocabTraining):
     """One EAGLE-3 training run (see the module docstring)."""
 
     method = "eagle3"
     config = Eagle3TrainConfig
-    metrics = MetricNames(means=("ce", "tau"), sums=("supervised",), positions=("top1",))
+    metrics = CHAIN_METRICS
 
     def __init__(self, config: Eagle3TrainConfig, target: Any, device: torch.device | str = "cpu") -> None:
-        self.settings, self.target, self.device = config, target, device
-        self.target_name = str(target.name)
-        if config.draft_vocab is not None and config.draft_vocab >= target.args.vocab_size:
-            raise DraftVocabError(f"drafter.draft_vocab: {config.draft_vocab} is not smaller than the target's "
-                                  f"{target.args.vocab_size} tokens (leave it unset for the whole vocabulary)")
+        super().__init__(config, target, device)
         self.shape = self._shape(None)
-        self.vocab: DraftVocab | None = None
-        self.coverage: float | None = None
-        self._module: _Module | None = None if config.draft_vocab is not None else self._build(None)
 
     def _shape(self, vocab: DraftVocab | None) -> Eagle3Shape:
         c, args = self.settings, self.target.args
@@ -103,60 +94,33 @@ class Eagle3Training:
                                            qk_norm=args.qk_norm if c.qk_norm is None else c.qk_norm)
 
     def _build(self, vocab: DraftVocab | None) -> _Module:
-        rt = self.target.runtime
-        shared = SharedWeights.from_target(rt)
-        if torch.device(self.device).type != "cpu":
-            shared = SharedWeights(rt.embed.to(self.device), rt.lm_head.to(self.device), shared.embed_scale,
-                                   None if rt.inv_freq is None else rt.inv_freq.to(self.device), shared.rope_scaling)
         model = Eagle3Model(self._shape(vocab), seed=self.settings.seed, vocab=vocab)
-        model.bind(shared, init_head=True)
+        model.bind(SharedWeights.from_target(self.target.runtime, self.device), init_head=True)
         return _Module(model, self.settings.steps).to(self.device)
-
-    @property
-    def module(self) -> _Module:
-        if self._module is None:
-            raise RuntimeError("prepare() the method with the data's token counts first (draft_vocab is set)")
-        return self._module
 
     def needs(self) -> DataNeeds:
         return DataNeeds(layers=self.shape.layers, block=self.settings.steps, mask_token_id=0,
                          token_counts=self.settings.draft_vocab is not None)
 
-    def prepare(self, summary: DataSummary) -> None:
-        if self.settings.draft_vocab is None or self._module is not None:
-            return
-        self.vocab, self.coverage = DraftVocab.from_data(summary.token_counts, self.settings.draft_vocab)
-        self._module = self._build(self.vocab)
-
     def loss(self, outputs: Tensor, batch: TrainBatch) -> LossOutput:
         logits = outputs.float()  # [B, k, N]
         k = logits.shape[1]
-        labels, valid, p_t = batch.labels[:, :k], batch.valid[:, :k], batch.p_t[:, :k]
-        valid = valid & (batch.anchor_pos > 0)[:, None]
+        p_t = batch.p_t[:, :k]
         if self.vocab is not None:  # EAGLE-3: supervise where the target's token can be drafted
-            ids = self.vocab.ids.to(p_t.device)
-            p_t = p_t[..., ids]
-            inside = self.vocab.t2d.to(labels.device)[labels.clamp_min(0)]
-            labels = self.vocab.to_draft(labels.clamp_min(0)).masked_fill(~inside, -1)
-            valid = valid & inside
+            p_t = p_t[..., self.vocab.ids.to(p_t.device)]
+        labels, valid = self.in_draft_vocab(batch.labels[:, :k], batch.valid[:, :k] & (batch.anchor_pos > 0)[:, None])
         ce = -(p_t * torch.log_softmax(logits, -1)).sum(-1)
         weights = self.settings.decay ** torch.arange(k, dtype=logits.dtype, device=logits.device)  # 0.8^(k−1)
         return chain_loss(ce, logits, labels, valid, weights)
 
     def save(self, directory: Path, provenance: dict[str, Any]) -> None:
-        extra = {} if self.vocab is None else {"draft_vocab": self.vocab.size, "train_coverage": self.coverage}
         save_eagle3(directory, self.module.model, {"kind": "eagle3", "gamma": self.settings.steps, **provenance,
-                                                   **extra}, target=self.target_name)
+                                                   **self.vocab_record()}, target=self.target_name)
 
     def load(self, directory: Path) -> None:
         model, _ = load_eagle3(directory)
-        mine = self.module.model
-        if model.shape != mine.shape or (model.vocab is None) != (mine.vocab is None) or (
-                model.vocab is not None and not torch.equal(model.vocab.ids, mine.vocab.ids)):
-            raise DrafterCheckpointError(f"{directory}: its model ({model.shape}) differs from this run's "
-                                         f"({mine.shape}); resume with the same config and data")
-        mine.load_state_dict(model.state_dict())
+        check_resumable(directory, model, self.module.model)
+        self.module.model.load_state_dict(model.state_dict())
 
-    def pipeline(self, directory: Path) -> dict[str, Any]:
-        return {"drafter": {"name": self.method, "checkpoint": str(directory), "gamma": self.settings.steps},
-                "correction_head": {"name": "none"}, "confidence": {"name": "constant"}}
+    def drafter_section(self, directory: Path) -> dict[str, Any]:
+        return {**super().drafter_section(directory), "gamma": self.settings.steps}

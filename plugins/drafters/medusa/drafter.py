@@ -6,8 +6,8 @@ One round for R requests:
    since its previous draft; the drafter keeps only the newest row per request (position t, just
    before the anchor x_0 at t + 1);
 2. the K heads give base logits U_1 … U_K in one pass (:class:`MedusaHeads`);
-3. the sequential stage shared with DSpark (:func:`~specforge_plugins.drafters.sequential.
-   sequential_stage`) draws x_1 … x_K left to right through the pipeline's correction head —
+3. the sequential stage shared with DSpark (:func:`~specforge.toolkit.sequential.sequential_stage`)
+   draws x_1 … x_K left to right through the pipeline's correction head —
    ``none`` is plain Medusa (each x_k from its own head's law); ``markov`` makes it sequential —
    and reports each law exactly as sampled.
 
@@ -23,10 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from specforge.components import DraftBlock, DraftContext
+from specforge.toolkit.checkpoints import check_fits
+from specforge.toolkit.drafting import LastRows, empty_block, open_round
+from specforge.toolkit.sequential import sequential_stage
 from specforge.vocab import DraftVocab
-from specforge_plugins.drafters.checkpoints import check_fits
 from specforge_plugins.drafters.medusa.model import MedusaHeads, MedusaShape, load_medusa
-from specforge_plugins.drafters.sequential import sequential_stage
 
 __all__ = ["MedusaConfig", "MedusaDrafter"]
 
@@ -88,7 +89,7 @@ class MedusaDrafter:
         self._tree = sorted({tuple(p) for p in self.config.tree}, key=lambda p: (len(p), p)) if self.config.tree else None
 
         self.feature_layers: tuple[int, ...] = ()
-        self._last: dict[int, Tensor] = {}  # request id -> [d] last-layer output before its anchor
+        self._last = LastRows()  # the last layer's output just before each request's anchor
         self.head_seconds = 0.0
 
     def bind(self, target: Any) -> None:
@@ -116,37 +117,32 @@ class MedusaDrafter:
         return None if self.heads is None else self.heads.vocab
 
     def release(self, request_id: int) -> None:
-        self._last.pop(request_id, None)
+        self._last.release(request_id)
 
     @torch.inference_mode()
     def draft(self, ctx: DraftContext) -> DraftBlock:
         if self.heads is None:
             raise RuntimeError("bind() the drafter to a target first")
         self._ingest(ctx)
-        r, anchor = len(ctx), ctx.anchor
-        u = ctx.uniforms(self.gamma)  # a fixed count per round: a request's stream ignores its batch-mates
-        have = torch.tensor([rid in self._last for rid in ctx.request_ids], dtype=torch.bool)
-        lengths = torch.where(have, torch.clamp(ctx.max_tokens, max=self.gamma), 0)
-        g = int(lengths.max()) if r else 0
+        u, lengths, g = open_round(ctx, self.gamma, self._last.ready(ctx.request_ids))
         if g == 0:
-            return DraftBlock(tokens=torch.zeros(r, 0, dtype=torch.long), lengths=torch.zeros(r, dtype=torch.long),
-                              anchor=anchor)
-        dim = self.heads.shape.dim
-        last = torch.stack([self._last.get(rid, torch.zeros(dim)).float() for rid in ctx.request_ids])
+            return empty_block(ctx)
+        last = self._last.gather(ctx.request_ids, (self.heads.shape.dim,), torch.float32)
         hidden = self.heads.hidden(last)[:, :g]
         base = self.heads.logits(hidden)
         if self._tree is not None:
-            return self._draft_tree(ctx, base, hidden, have)
+            return self._draft_tree(ctx, base, hidden, lengths)
         tokens, logits, probs, seconds = sequential_stage(ctx, base, hidden, u, self.heads.vocab,
                                                           self.config.candidates, self.heads.shape.vocab_size)
         self.head_seconds += seconds
-        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=logits, hidden=hidden, anchor=anchor)
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=logits, hidden=hidden, anchor=ctx.anchor)
 
-    def _draft_tree(self, ctx: DraftContext, base: Tensor, hidden: Tensor, have: Tensor) -> DraftBlock:
+    def _draft_tree(self, ctx: DraftContext, base: Tensor, hidden: Tensor, lengths: Tensor) -> DraftBlock:
         """Medusa's candidate tree: node (c_1, …, c_k) takes the c_k-th top token of head k's
         logits (biased by the correction head given its parent's token, in a fresh state).  Each
         node is deterministic given the round's inputs, so q is one-hot (``probs=None``) and the
-        verifier's walk zeroes a rejected sibling in the residual."""
+        verifier's walk zeroes a rejected sibling in the residual.  A request keeps the nodes no
+        deeper than its chain length in ``lengths`` (0: none) — a prefix, as the nodes are breadth first."""
         r, g = base.shape[0], base.shape[1]
         nodes = [p for p in self._tree if len(p) <= g]
         index = {p: j for j, p in enumerate(nodes)}
@@ -167,7 +163,7 @@ class MedusaDrafter:
                 logits[:, j] = step
             else:
                 logits[:, j, vocab.ids] = step
-        lengths = torch.where(have, (depth[None, :] <= ctx.max_tokens[:, None]).sum(1), 0)
+        lengths = (depth[None, :] <= lengths[:, None]).sum(1)
         return DraftBlock(tokens=tokens, lengths=lengths, logits=logits, hidden=hidden[:, depth - 1],
                           anchor=ctx.anchor, parents=parents.expand(r, len(nodes)))
 
@@ -176,11 +172,7 @@ class MedusaDrafter:
         if f is None or tuple(f.layers) != self.feature_layers:
             raise RuntimeError(f"medusa needs the target's layer {self.feature_layers} output through "
                                "DraftContext.features")
-        ends = f.cu_seqlens[1:].tolist()
-        starts = f.cu_seqlens[:-1].tolist()
-        for rid, lo, hi in zip(ctx.request_ids, starts, ends):
-            if hi > lo:
-                self._last[rid] = f.states[hi - 1, 0].clone()
+        self._last.update(ctx.request_ids, f.cu_seqlens, f.states[:, 0])
 
 
 def _perturb(heads: MedusaHeads, seed: int) -> None:

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from specforge.interop import InteropError, load_tensors, mismatch, read_config
+from specforge.toolkit.formats import InteropError, load_tensors, mismatch, read_config
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.medusa.model import MedusaHeads, MedusaShape, load_medusa, save_medusa
 

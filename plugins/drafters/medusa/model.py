@@ -24,14 +24,15 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
-from specforge.vocab import DraftVocab
-from specforge_plugins.drafters.checkpoints import (
+from specforge.toolkit.checkpoints import (
     DrafterCheckpointError,
     read_checkpoint,
     read_vocab,
     vocab_tensors,
     write_checkpoint,
 )
+from specforge.toolkit.drafting import check_draft_vocab_size
+from specforge.vocab import DraftVocab
 
 __all__ = ["FORMAT", "VERSION", "MedusaHeads", "MedusaShape", "load_medusa", "save_medusa"]
 
@@ -54,9 +55,7 @@ class MedusaShape(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> MedusaShape:
-        if self.draft_vocab_size is not None and self.draft_vocab_size >= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be smaller than the target's "
-                             f"{self.vocab_size} tokens (leave it unset for the whole vocabulary)")
+        check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
         return self
 
     @classmethod

@@ -12,12 +12,15 @@ W1 ∈ R^{V×r} (an embedding of the previous token) and W2 ∈ R^{r×V} (a logi
 x_0 is the anchor.  Every head offers the engine's left-to-right :meth:`step` (the
 :class:`~specforge.components.CorrectionHead` protocol) and a teacher-forced :meth:`forward_train`
 over whole blocks for training; the two agree on the same tokens (tested).
+
+The networks live in the toolkit because two plug-ins build them: the correction-head components
+that serve them, and the block drafters that train them with their backbone and save them in
+their checkpoints (:data:`HEADS` names the ones a checkpoint can hold).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ from torch import Tensor, nn
 
 from specforge.components import ComponentWeights
 from specforge.errors import ConfigError
+from specforge.toolkit.projection import Projection
 
 __all__ = ["HEADS", "GatedHead", "HeadConfig", "MarkovHead", "RnnHead", "load_trained"]
 
@@ -140,7 +144,6 @@ class _LowRankHead(nn.Module, ABC):
         names its own ``weights`` file keeps those."""
         load_trained(self, weights, "correction_head")
 
-
     def _check(self, hidden: Tensor | None) -> None:
         if not self.built:
             raise RuntimeError(f"{type(self).__name__}: bind() it to a target (or give vocab_size/dim) first")
@@ -157,8 +160,6 @@ class _LowRankHead(nn.Module, ABC):
         """
         if self._fast_dtype is None or torch.is_grad_enabled() or self.w2.device.type != "cpu":
             return u @ self.w2
-        from specforge.target.model import Projection
-
         key = (self.w2.data_ptr(), self.w2._version)
         if self._fast is None or self._fast[0] != key:
             self._fast = (key, Projection(self.w2.detach().t().contiguous().to(self._fast_dtype)))
@@ -262,4 +263,5 @@ class RnnHead(_LowRankHead):
         return self.project(torch.stack(codes, dim=1))
 
 
+#: The trainable correction heads by registered name: what a block drafter trains and saves.
 HEADS: dict[str, type[_LowRankHead]] = {"markov": MarkovHead, "gated": GatedHead, "rnn": RnnHead}

@@ -1,5 +1,8 @@
 """The training contract: what a drafter plug-in provides so that ``specforge train`` can train it.
 
+It sits in the plug-in authors' toolkit, below the trainer (:mod:`specforge.training`), which
+imports it: a method and the trainer meet here, and neither imports the other.
+
 A drafter is trainable when its registration names a *training method*::
 
     @hookimpl
@@ -36,7 +39,8 @@ import torch
 from pydantic import BaseModel
 from torch import Tensor, nn
 
-__all__ = ["DataNeeds", "DataSummary", "DraftTraining", "LossOutput", "MetricNames", "TrainBatch", "TrainingMethod", "empty_loss"]
+__all__ = ["BatchModule", "DataNeeds", "DataSummary", "DraftTraining", "LossOutput", "MetricNames", "TrainBatch",
+           "TrainingMethod", "empty_loss"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,12 @@ class TrainBatch:
     def num_blocks(self) -> int:
         return int(self.block_ids.shape[0])
 
+    def before_anchor(self) -> Tensor:
+        """``[B, m·d]`` each block's context row just before its anchor — the position whose next
+        token is the anchor, what a drafter reading the target's state there sees when drafting
+        (row 0 for an anchor at position 0, which has none: mask such blocks out of the loss)."""
+        return self.ctx[self.ctx_index, (self.anchor_pos - 1).clamp_min(0)]
+
 
 @dataclass(frozen=True)
 class LossOutput:
@@ -164,7 +174,8 @@ class DraftTraining(Protocol):
     #: the method's name, written into every checkpoint it saves
     method: str
     #: the trainable parameters; ``module(batch)`` gives what :meth:`loss` reads (``batch`` may be
-    #: ``None`` on a rank with no data this step: return something that touches every parameter)
+    #: ``None`` on a rank with no data this step: return something that touches every parameter,
+    #: as a :class:`BatchModule` does)
     module: nn.Module
     metrics: MetricNames
 
@@ -202,6 +213,25 @@ class TrainingMethod(Protocol):
     config: type[BaseModel]
 
     def __call__(self, config: BaseModel, target: Any) -> DraftTraining: ...
+
+
+class BatchModule(nn.Module):
+    """A method's trainable :attr:`DraftTraining.module`: subclasses implement :meth:`run` on one
+    rank's :class:`TrainBatch`.
+
+    Under ``torchrun`` a rank whose sequences gave no block this step is called with ``None``; it
+    must still take part in DistributedDataParallel's gradient all-reduce, or the other ranks wait
+    for it forever, so it returns a zero that touches every parameter.
+    """
+
+    def forward(self, batch: TrainBatch | None) -> Any:
+        if batch is None:
+            return sum(p.sum() for p in self.parameters()) * 0.0
+        return self.run(batch)
+
+    def run(self, batch: TrainBatch) -> Any:
+        """What :meth:`DraftTraining.loss` reads, computed on ``batch``."""
+        raise NotImplementedError
 
 
 def empty_loss(metrics: MetricNames, block: int, device: torch.device) -> LossOutput:

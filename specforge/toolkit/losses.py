@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specforge.training.contract import LossOutput
+from specforge.toolkit.training import LossOutput, MetricNames
 
-__all__ = ["DSparkLoss", "chain_loss", "dspark_loss", "position_weights", "teacher_probs", "valid_prefix"]
+__all__ = ["CHAIN_METRICS", "DSparkLoss", "chain_loss", "dspark_loss", "position_weights", "teacher_probs", "valid_prefix"]
 
 
 def position_weights(length: int, gamma: int | None = None, device: torch.device | str | None = None) -> Tensor:
@@ -137,6 +137,10 @@ def dspark_loss(
         tau = torch.where(mask[:, 0], 1 + survive, zero).sum() / blocks
     return DSparkLoss(total=total, ce=ce, tv=tv, conf=conf, c_star=c_star, mask=mask,
                       accept_rate=accept_rate, tau=tau)
+
+
+#: The metrics :func:`chain_loss` fills: a method that returns it declares them as its ``metrics``.
+CHAIN_METRICS = MetricNames(means=("ce", "tau"), sums=("supervised",), positions=("top1",))
 
 
 def chain_loss(ce: Tensor, logits: Tensor, labels: Tensor, valid: Tensor, weights: Tensor) -> LossOutput:

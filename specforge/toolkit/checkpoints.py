@@ -7,11 +7,16 @@ was trained for) and ``files`` (size and sha256 of the weights, checked on every
 truncated or corrupted file is one clear error naming it).  Each format adds its own sections.
 A checkpoint of another format — e.g. a Medusa checkpoint given to ``dspark`` — is one error that
 names the method it holds and the drafter that loads it.
+
+A config may name a checkpoint that ships inside a plug-in package as ``shipped:<name>``: the
+package makes its directories known with :func:`ship` when it is imported, so this module — which
+every drafter's loader imports — never imports a plug-in to find them.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +28,11 @@ from specforge.errors import SpecforgeError
 from specforge.files import file_problem, file_record
 from specforge.vocab import DraftVocab
 
-__all__ = ["CONFIG", "WEIGHTS", "DrafterCheckpointError", "read_checkpoint", "read_vocab", "vocab_tensors",
-           "TARGET_SHAPE", "check_fits", "write_checkpoint"]
+__all__ = ["CONFIG", "SHIPPED", "TARGET_SHAPE", "WEIGHTS", "DrafterCheckpointError", "check_fits", "read_checkpoint",
+           "read_vocab", "resolve_checkpoint", "ship", "vocab_tensors", "write_checkpoint"]
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
+SHIPPED = "shipped:"  # the prefix of a shipped checkpoint's name in a config
 # A drafter with layers of the target's shape: its config field -> the target's ModelArgs attribute.
 TARGET_SHAPE = {"vocab_size": "vocab_size", "dim": "dim", "n_heads": "n_heads", "n_kv_heads": "n_kv_heads",
                 "head_dim": "head_dim", "n_target_layers": "n_layers"}
@@ -34,6 +40,26 @@ TARGET_SHAPE = {"vocab_size": "vocab_size", "dim": "dim", "n_heads": "n_heads", 
 
 class DrafterCheckpointError(SpecforgeError, ValueError):
     """A drafter directory that is missing, damaged or of another format (the message says which)."""
+
+
+_shipped: dict[str, Path] = {}
+
+
+def ship(directories: Mapping[str, Path]) -> None:
+    """Make checkpoint directories nameable as ``shipped:<name>`` (``name -> directory``)."""
+    _shipped.update({name: Path(path) for name, path in directories.items()})
+
+
+def resolve_checkpoint(ref: str | Path) -> Path:
+    """The directory a config's ``checkpoint`` names: ``shipped:<name>`` or a path."""
+    text = str(ref)
+    if not text.startswith(SHIPPED):
+        return Path(ref)
+    name = text[len(SHIPPED):]
+    if name not in _shipped:
+        raise DrafterCheckpointError(f"{text}: no such shipped drafter; shipped: "
+                                     f"{', '.join(SHIPPED + n for n in sorted(_shipped)) or '(none)'}")
+    return _shipped[name]
 
 
 def write_checkpoint(directory: str | Path, meta: dict[str, Any], tensors: dict[str, Tensor]) -> Path:
@@ -53,8 +79,6 @@ def write_checkpoint(directory: str | Path, meta: dict[str, Any], tensors: dict[
 def read_checkpoint(directory: str | Path, fmt: str, version: int, loader: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """``(config, tensors)`` of the checkpoint in ``directory`` (or ``shipped:<name>``), checked to
     be of ``fmt`` v``version``; ``loader`` names the drafter that reads it, for messages."""
-    from specforge_plugins.drafters.shipped import resolve_checkpoint
-
     directory = resolve_checkpoint(directory)
     try:
         meta = json.loads((directory / CONFIG).read_text())

@@ -1,4 +1,4 @@
-"""Micro-benchmark: the varlen torch twin against a naive padded-batch SDPA, on CPU.
+"""``specforge bench attention``: the varlen attention twin against a naive padded-batch SDPA, on CPU.
 
 The baseline is what a runtime without varlen attention does: gather every request's K/V out of
 its cache slot into a padded ``[R, Hkv, Lmax, D]`` batch, pad the queries to ``[R, nmax]``, and
@@ -6,10 +6,10 @@ run one SDPA with a combined causal + padding mask.  The twin runs one SDPA per 
 of the cache.  Shapes are decode/verification-like (SmolLM2-135M heads: Hq=9, Hkv=3, D=64);
 each request's context length is drawn from [L/2, L] so that padding costs what it does in a real
 batch.  Both sides are timed interleaved in the same run, so machine load hits them alike, and
-their outputs are compared.
+their outputs are compared::
 
-    python kernels/bench_attention.py [--reps 60] [--dtypes float32,bfloat16] [--threads 1]
-    python kernels/bench_attention.py --mixed [--reps 30]
+    specforge bench attention [--reps 60] [--dtypes float32,bfloat16] [--threads 1]
+    specforge bench attention --mixed [--reps 30]
 
 ``--mixed`` measures the planned layouts (:func:`plan_varlen_attention`) on contexts at real
 ShareGPT lengths (the first turns, chat-templated with SmolLM2's tokenizer, slots in a shuffled
@@ -23,30 +23,32 @@ One intra-op thread by default: on a small shared machine, OpenMP workers that l
 a neighbour stall every parallel region for a scheduler quantum, and the medians then measure the
 neighbours (tens of ms per call were seen on 2 busy cores).  ``--threads 0`` keeps torch's default.
 
-Prints one JSON document, then a table.
+Writes ``attention.json`` (``attention-mixed.json`` with ``--mixed``) and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import platform
 import random
 import statistics
-import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from specforge_kernels.varlen_attention import (
-    plan_varlen_attention,
-    varlen_attention_planned,
-    varlen_attention_reference,
-)
+from specforge.bench.runner import Report, add_output_arguments, bench_command
+from specforge.machine import machine
+from specforge_kernels.planned_attention import plan_varlen_attention, varlen_attention_planned
+from specforge_kernels.varlen_attention import varlen_attention_reference
+
+__all__ = ["COMMAND", "REPORT", "run_layouts_benchmark", "run_twin_benchmark", "table"]
 
 HQ, HKV, D, CAPACITY = 9, 3, 64, 4096
+LAYOUTS = {"per-request": False, "one padded": True, "grouped": None}
+LAYERS = 30  # SmolLM2-135M: one plan per pass serves this many layers' attention
 
 
 def make_batch(n_req: int, run: int, cache_len: int, dtype: torch.dtype, seed: int) -> dict:
@@ -142,22 +144,19 @@ def mixed_batch(contexts: list[int], run: int, seed: int, dtype: torch.dtype = t
                 slots=torch.tensor(slots, dtype=torch.long), start_pos=torch.tensor(contexts, dtype=torch.long))
 
 
-LAYOUTS = {"per-request": False, "one padded": True, "grouped": None}
-
-
-LAYERS = 30  # SmolLM2-135M: one plan per pass serves this many layers' attention
-
-
 def measure_layouts(batch: dict, reps: int) -> dict[str, float]:
     """µs per layer of each layout — one layer's attention plus 1/LAYERS of the pass's plan (the
     plan is made once per pass) — timed interleaved."""
     b = batch
+
     def plan(batched):
         # exact=False: a float32 cache is grouped as the runtime does under a bf16 model
         return plan_varlen_attention(b["cu_seqlens"], b["slots"], b["start_pos"], b["k_cache"], b["q"].shape[0],
                                      HQ, batched, exact=False)
+
     def attend(p):
         return varlen_attention_planned(b["q"], b["k_cache"], b["v_cache"], p, D**-0.5)
+
     plans = {name: plan(batched) for name, batched in LAYOUTS.items()}
     ref = attend(plans["per-request"])
     for p in plans.values():
@@ -184,9 +183,9 @@ def _fastest_quarter(seconds: list[float]) -> float:
     return sum(fast) / len(fast)
 
 
-def mixed_main(reps: int, dtypes: list[str]) -> int:
-    from specforge.machine import machine
-
+def run_layouts_benchmark(reps: int, dtypes: Sequence[str]) -> dict[str, Any]:
+    """The planned layouts on ShareGPT context lengths (``--mixed``), against the same total
+    context spread evenly."""
     pool = [c for c in sharegpt_contexts(400) if c <= 4000]
     rows = []
     for dtype_name, n_req, run in itertools.product(dtypes, (4, 16, 64), (1, 8)):
@@ -200,61 +199,67 @@ def mixed_main(reps: int, dtypes: list[str]) -> int:
                          mixed_us={k: round(v, 1) for k, v in mixed.items()},
                          even_us={k: round(v, 1) for k, v in flat.items()},
                          mixed_over_even={k: round(mixed[k] / flat[k], 2) for k in LAYOUTS}))
-    doc = dict(benchmark="planned varlen attention on ShareGPT context lengths (CPU, one layer)",
-               heads=dict(hq=HQ, hkv=HKV, head_dim=D), torch=torch.__version__, threads=torch.get_num_threads(),
-               machine=machine(), reps=reps, statistic="microseconds per layer: attention + plan / 30 (each the mean of its fastest quarter)",
-               results=rows)
-    print(json.dumps(doc, indent=1))
-    head = (f"{'dtype':<9} {'R':>3} {'run':>4} {'sum ctx':>8} {'longest':>8} | " + " ".join(f"{k:>12}" for k in LAYOUTS)
-            + " | mixed/even: " + " ".join(f"{k:>12}" for k in LAYOUTS))
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['dtype']:<9} {r['requests']:>3} {r['run']:>4} {r['sum_context']:>8} {r['longest']:>8} | "
-              + " ".join(f"{r['mixed_us'][k]:>12.1f}" for k in LAYOUTS) + " |             "
-              + " ".join(f"{r['mixed_over_even'][k]:>12.2f}" for k in LAYOUTS))
-    return 0
+    return dict(benchmark="planned varlen attention on ShareGPT context lengths (CPU, one layer)", mixed=True,
+                heads=dict(hq=HQ, hkv=HKV, head_dim=D), torch=torch.__version__, threads=torch.get_num_threads(),
+                machine=machine(), reps=reps,
+                statistic="microseconds per layer: attention + plan / 30 (each the mean of its fastest quarter)",
+                results=rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=60)
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; 0 keeps torch's default")
-    ap.add_argument("--mixed", action="store_true", help="the planned layouts on ShareGPT context lengths")
-    args = ap.parse_args(argv)
+def run_twin_benchmark(reps: int, dtypes: Sequence[str]) -> dict[str, Any]:
+    """The twin against the padded-batch SDPA on decode/verify-like shapes."""
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for n_req, run, cache_len in itertools.product((1, 4, 16), (1, 8), (256, 1024)):
+            batch = make_batch(n_req, run, cache_len, dtype, seed=n_req * 1000 + run * 10 + cache_len)
+            t_twin, t_base, diff = measure(batch, reps)
+            rows.append(dict(dtype=dtype_name, requests=n_req, run=run, cache_len=cache_len,
+                             twin_us=round(t_twin, 1), padded_us=round(t_base, 1),
+                             speedup=round(t_base / t_twin, 2), max_abs_diff=diff))
+    return dict(benchmark="varlen_attention_reference vs padded-batch SDPA (CPU)", mixed=False,
+                heads=dict(hq=HQ, hkv=HKV, head_dim=D, capacity=CAPACITY), torch=torch.__version__,
+                threads=torch.get_num_threads(), machine=machine(), reps=reps,
+                statistic="median microseconds per call", results=rows)
+
+
+def table(result: dict[str, Any]) -> str:
+    """One row per shape: the twin against the padded SDPA, or (``--mixed``) each layout."""
+    if result["mixed"]:
+        head = (f"{'dtype':<9} {'R':>3} {'run':>4} {'sum ctx':>8} {'longest':>8} | "
+                + " ".join(f"{k:>12}" for k in LAYOUTS) + " | mixed/even: " + " ".join(f"{k:>12}" for k in LAYOUTS))
+        rows = [f"{r['dtype']:<9} {r['requests']:>3} {r['run']:>4} {r['sum_context']:>8} {r['longest']:>8} | "
+                + " ".join(f"{r['mixed_us'][k]:>12.1f}" for k in LAYOUTS) + " |             "
+                + " ".join(f"{r['mixed_over_even'][k]:>12.2f}" for k in LAYOUTS) for r in result["results"]]
+    else:
+        head = (f"{'dtype':<9} {'R':>3} {'run':>4} {'L':>5} {'twin us':>10} {'padded us':>10} {'speedup':>8} "
+                f"{'max|diff|':>10}")
+        rows = [f"{r['dtype']:<9} {r['requests']:>3} {r['run']:>4} {r['cache_len']:>5} {r['twin_us']:>10.1f} "
+                f"{r['padded_us']:>10.1f} {r['speedup']:>7.2f}x {r['max_abs_diff']:>10.2e}" for r in result["results"]]
+    return "\n".join([head, "-" * len(head), *rows])
+
+
+REPORT = Report(lambda result: "attention-mixed.json" if result["mixed"] else "attention.json", table)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reps", type=int, default=60)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; 0 keeps torch's default")
+    p.add_argument("--mixed", action="store_true", help="the planned layouts on ShareGPT context lengths")
+    add_output_arguments(p, "runs/bench-attention")
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """the varlen attention twin against a padded-batch SDPA on CPU (or, with --mixed, the planned layouts)
+
+    Times the CPU attention path on decode/verify-like shapes against what a runtime without varlen
+    attention does (one padded SDPA), interleaved, and compares their outputs; --mixed times the
+    planned layouts on ShareGPT context lengths against the same total context spread evenly.
+    """
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.mixed:
-        return mixed_main(args.reps, args.dtypes.split(","))
-    rows = []
-    for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        for n_req in (1, 4, 16):
-            for run in (1, 8):
-                for cache_len in (256, 1024):
-                    batch = make_batch(n_req, run, cache_len, dtype, seed=n_req * 1000 + run * 10 + cache_len)
-                    t_twin, t_base, diff = measure(batch, args.reps)
-                    rows.append(dict(
-                        dtype=dtype_name, requests=n_req, run=run, cache_len=cache_len,
-                        twin_us=round(t_twin, 1), padded_us=round(t_base, 1),
-                        speedup=round(t_base / t_twin, 2), max_abs_diff=diff,
-                    ))
-    doc = dict(
-        benchmark="varlen_attention_reference vs padded-batch SDPA (CPU)",
-        heads=dict(hq=HQ, hkv=HKV, head_dim=D, capacity=CAPACITY),
-        torch=torch.__version__, threads=torch.get_num_threads(), machine=platform.machine(),
-        reps=args.reps, statistic="median microseconds per call", results=rows,
-    )
-    print(json.dumps(doc, indent=1))
-    head = f"{'dtype':<9} {'R':>3} {'run':>4} {'L':>5} {'twin us':>10} {'padded us':>10} {'speedup':>8} {'max|diff|':>10}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['dtype']:<9} {r['requests']:>3} {r['run']:>4} {r['cache_len']:>5} {r['twin_us']:>10.1f} "
-              f"{r['padded_us']:>10.1f} {r['speedup']:>7.2f}x {r['max_abs_diff']:>10.2e}")
-    return 0
+    return (run_layouts_benchmark if args.mixed else run_twin_benchmark)(args.reps, args.dtypes.split(","))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+COMMAND = bench_command("attention", _arguments, _measure, REPORT)

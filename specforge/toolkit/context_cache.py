@@ -1,10 +1,12 @@
-"""The draft-side context cache of a block drafter: per request, the K/V of its fused target context.
+"""The draft-side context cache of a drafter over fused target features: per request, the K/V of
+its committed context.
 
-Each draft layer prepends its own K/V projections of ``ctx = RMSNorm(W_c [H(l1);…;H(lm)])`` to
-the block's keys (paper §2.2 eq. 3).  Those projections depend only on the committed token at each
-position, so they are computed once, when the engine hands over that position's target features,
-and kept here until the request ends.  Only committed positions ever arrive (the engine taps the
-rows its own KV cache keeps), so the cache only grows: there is nothing to roll back.
+A block drafter's layers prepend their own K/V projections of ``ctx = RMSNorm(W_c [H(l1);…;H(lm)])``
+to the block's keys (paper §2.2 eq. 3); EAGLE-3's layer attends to the K/V of (x_{t+1}, g_t) at
+every committed row t.  Either depends only on the committed tokens, so it is computed once, when
+the engine hands over that position's target features, and kept here until the request ends.
+Only committed positions ever arrive (the engine taps the rows its own KV cache keeps), so the
+cache only grows: there is nothing to roll back.
 
 Layout: one ``[slots, capacity, KV, hd]`` tensor per layer for K and one for V, a slot per live
 request (like the target's KV cache), so that a round's writes for every request are one indexed
