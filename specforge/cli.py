@@ -42,6 +42,15 @@ def _meta_summary(meta: dict) -> str:
     return " ".join(parts)
 
 
+def _table(title: str, columns: Sequence[str], rows: list[Sequence[str]], **style: Any) -> Table:
+    table = Table(title=title, **style)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     """list every registered component and failed plug-in"""
     info = get_host().describe()
@@ -49,32 +58,19 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return EXIT_OK
     console = Console()
-    table = Table(title="specforge components", show_lines=False)
-    for column in ("kind", "name", "package", "version", "metadata", "description"):
-        table.add_column(column, overflow="fold")
-    for comp in info["components"]:
-        table.add_row(
-            comp["kind"], comp["name"], comp["package"], comp["version"],
-            _meta_summary(comp["metadata"]), comp["metadata"].get("description", ""),
-        )
-    console.print(table)
+    console.print(_table("specforge components", ("kind", "name", "package", "version", "metadata", "description"),
+                         [(c["kind"], c["name"], c["package"], c["version"], _meta_summary(c["metadata"]),
+                           c["metadata"].get("description", "")) for c in info["components"]], show_lines=False))
     missing = [k.value for k in ComponentKind if not any(c["kind"] == k.value for c in info["components"])]
     if missing:
         console.print(f"no component registered yet for: {', '.join(missing)}")
     if info["commands"]:
-        commands = Table(title="sub-commands from plug-ins")
-        for column in ("command", "package", "version", "help"):
-            commands.add_column(column, overflow="fold")
-        for c in info["commands"]:
-            commands.add_row(c["name"], c["package"], c["version"], c["help"])
-        console.print(commands)
+        console.print(_table("sub-commands from plug-ins", ("command", "package", "version", "help"),
+                             [(c["name"], c["package"], c["version"], c["help"]) for c in info["commands"]]))
     if info["failed"]:
-        failed = Table(title="plug-ins that failed to load (skipped)", style="red")
-        for column in ("plugin", "package", "version", "stage", "error"):
-            failed.add_column(column, overflow="fold")
-        for f in info["failed"]:
-            failed.add_row(f["plugin"], f["package"], f["version"], f["stage"], f["error"])
-        console.print(failed)
+        columns = ("plugin", "package", "version", "stage", "error")
+        console.print(_table("plug-ins that failed to load (skipped)", columns,
+                             [[f[k] for k in columns] for f in info["failed"]], style="red"))
     return EXIT_OK
 
 

@@ -40,7 +40,7 @@ LEAVES = {"specforge.target", "specforge.target.args", "specforge.target.batch",
 # A plug-in's own method: the modules of one unit may import each other.  The packages'
 # registration modules (``__init__``) may import every unit below them.
 UNITS = [
-    ("specforge_plugins.heads", "specforge_plugins.confidence", "specforge_plugins.correction_heads"),
+    ("specforge_plugins.confidence", "specforge_plugins.correction_heads"),
     ("specforge_plugins.drafters.block", "specforge_plugins.drafters.dspark", "specforge_plugins.drafters.dflash"),
     ("specforge_plugins.drafters.eagle3",),
     ("specforge_plugins.drafters.medusa",),
