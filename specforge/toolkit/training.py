@@ -31,6 +31,7 @@ One step, as the trainer runs it:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -215,7 +216,7 @@ class TrainingMethod(Protocol):
     def __call__(self, config: BaseModel, target: Any) -> DraftTraining: ...
 
 
-class BatchModule(nn.Module):
+class BatchModule(nn.Module, ABC):
     """A method's trainable :attr:`DraftTraining.module`: subclasses implement :meth:`run` on one
     rank's :class:`TrainBatch`.
 
@@ -229,9 +230,9 @@ class BatchModule(nn.Module):
             return sum(p.sum() for p in self.parameters()) * 0.0
         return self.run(batch)
 
+    @abstractmethod
     def run(self, batch: TrainBatch) -> Any:
         """What :meth:`DraftTraining.loss` reads, computed on ``batch``."""
-        raise NotImplementedError
 
 
 def empty_loss(metrics: MetricNames, block: int, device: torch.device) -> LossOutput:

@@ -11,6 +11,7 @@ other tokens, since its rows would mean other tokens.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ def check_resumable(directory: str | Path, loaded: nn.Module, mine: nn.Module) -
                                      "and data")
 
 
-class VocabTraining:
+class VocabTraining(ABC):
     """The base of a training method (:class:`~specforge.toolkit.training.DraftTraining`) whose
     ``config`` has a ``draft_vocab`` field (N, or ``None`` for the target's whole vocabulary).
 
@@ -61,9 +62,9 @@ class VocabTraining:
         self.coverage: float | None = None
         self._module: nn.Module | None = None if n is not None else self._build(None)
 
+    @abstractmethod
     def _build(self, vocab: DraftVocab | None) -> nn.Module:
         """The method's trainable module over ``vocab`` (``None``: the whole vocabulary)."""
-        raise NotImplementedError
 
     @property
     def module(self) -> nn.Module:
