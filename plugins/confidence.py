@@ -1,6 +1,7 @@
-"""Shipped confidence estimators: ``constant``, ``entropy`` and DSpark's trained ``dspark-head``.
+"""Shipped confidence estimators: ``constant``, ``entropy``, ``reported`` and DSpark's trained
+``dspark-head``.
 
-All three are pre-token (docs/design/round.md): c_k may use what is known before x_k is drawn —
+All four are pre-token (docs/design/round.md): c_k may use what is known before x_k is drawn —
 the drafter's distribution at slot k (``entropy``), the backbone state h_k and the previous token
 x_{k−1} (``dspark-head``) — and never ``block.tokens[:, k]``.  That is what lets a scheduler stop
 on c_k without biasing which tokens get verified.  The ``dspark-head`` network is the toolkit's
@@ -17,7 +18,8 @@ from specforge import hookimpl
 from specforge.components import DraftBlock
 from specforge.toolkit.confidence_head import DSparkConfidence, DSparkHeadConfig
 
-__all__ = ["ConstantConfidence", "ConstantConfig", "EntropyConfidence", "EntropyConfig"]
+__all__ = ["ConstantConfidence", "ConstantConfig", "EntropyConfidence", "EntropyConfig", "ReportedConfidence",
+           "ReportedConfig"]
 
 
 class ConstantConfig(BaseModel):
@@ -74,6 +76,27 @@ class EntropyConfidence:
         return torch.exp(-entropy / self.config.scale).clamp(eps, 1 - eps)
 
 
+class ReportedConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    eps: float = Field(1e-6, gt=0, lt=0.5, description="c_k is clamped into [eps, 1 - eps]")
+
+
+class ReportedConfidence:
+    """The confidence the drafter reported itself (``DraftBlock.confidence``): an n-gram match
+    length, a composed drafter's members' own estimates (docs/composition.md).  The drafter
+    answers for it being pre-token; the conformance suite checks that like any estimator's."""
+
+    def __init__(self, config: ReportedConfig | None = None) -> None:
+        self.config = config or ReportedConfig()
+
+    def estimate(self, block: DraftBlock) -> Tensor:
+        if block.confidence is None:
+            raise ValueError("reported confidence: the drafter reports none (DraftBlock.confidence is None); "
+                             "choose an estimator that reads its other fields (entropy, dspark-head)")
+        eps = self.config.eps
+        return block.confidence.to(torch.promote_types(block.confidence.dtype, torch.float32)).clamp(eps, 1 - eps)
+
+
 @hookimpl
 def specforge_register_confidence_estimators(register):
     register("constant", ConstantConfidence, config=ConstantConfig, pre_token=True, trainable=False,
@@ -82,6 +105,10 @@ def specforge_register_confidence_estimators(register):
     register("entropy", EntropyConfidence, config=EntropyConfig, pre_token=True, trainable=False,
              needs_any=("logits", "probs"), examples=({}, {"scale": 0.5}),
              description="exp(-entropy of the draft distribution at slot k)")
+    register("reported", ReportedConfidence, config=ReportedConfig, pre_token=True, trainable=False,
+             needs_any=("confidence",), examples=({},),
+             description="the drafter's own estimate (DraftBlock.confidence): n-gram match length, "
+                         "a composition's members")
     register("dspark-head", DSparkConfidence, config=DSparkHeadConfig, pre_token=True, trainable=True,
              needs_any=("hidden",), examples=({"rank": 8}, {"rank": 16, "seed": 1}),
              description="trained sigmoid(w.[h_k ; E[x_{k-1}]] + b) (DSpark confidence head)")

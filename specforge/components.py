@@ -85,6 +85,11 @@ class DraftBlock:
             law node j was drawn from given its path and the siblings drawn before it.  ``None``:
             a chain (slot k's parent is k − 1).  The first ℓ_r slots the scheduler keeps must
             still form a tree — they do, since parents come first.
+        confidence: ``[R, G]`` pre-token survival estimates in (0, 1) that the drafter computed
+            itself, when it has a signal of its own that no estimator could read off the other
+            fields (an n-gram match length; a composition's members' own estimates).  Like any
+            confidence, c_k may depend on what is known before x_k is drawn, never on x_k.  The
+            ``reported`` confidence estimator hands them to the calibrator.
     """
 
     tokens: Tensor
@@ -94,6 +99,7 @@ class DraftBlock:
     hidden: Tensor | None = None
     anchor: Tensor | None = None
     parents: Tensor | None = None
+    confidence: Tensor | None = None
 
 
 @dataclass(frozen=True)

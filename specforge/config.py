@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from specforge.errors import ConfigError, SectionError
+from specforge.errors import ConfigError, validation_problems
 from specforge.plugins import PluginHost, get_host
 from specforge.registry import ComponentKind, Registration
 
@@ -247,42 +247,6 @@ def merge_layer(base: Any, layer: Any) -> Any:
     return OmegaConf.merge(base, layer)
 
 
-def _fields_at(model: type[BaseModel], path: Sequence[str]) -> list[str]:
-    """The fields of the (sub)model a dotted error path points into."""
-    for key in path:
-        field = model.model_fields.get(key)
-        sub = getattr(field, "annotation", None) if field else None
-        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
-            break
-        model = sub
-    return list(model.model_fields)
-
-
-def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: Sequence[str] = (), *,
-                        named: bool = False, owner: str = "") -> list[str]:
-    """One line per pydantic error of ``model`` validated under the key path ``prefix``: the dotted
-    key path, and for an unknown key the keys valid at that level (``name`` first when the section
-    is a component's, ``named``).  A validator's :class:`SectionError` reports its own keys."""
-    problems = []
-    for err in exc.errors():
-        loc = [*prefix, *map(str, err["loc"])]
-        path = ".".join(loc) or "(top level)"
-        nested = (err.get("ctx") or {}).get("error")
-        if isinstance(nested, SectionError):  # a sub-section checked against its own model
-            problems += [f"{'.'.join([*loc, key]) if key else path}: {msg}" for key, msg in nested.problems]
-        elif err["type"] == "extra_forbidden":
-            inner = [str(x) for x in err["loc"]][:-1]
-            valid = _fields_at(model, inner)
-            if named and not inner:
-                valid = ["name", *valid]
-            problems.append(f"{path}: unknown key{owner}; valid keys: {', '.join(valid)}")
-        elif err["type"] == "missing":
-            problems.append(f"{path}: required key is missing")
-        else:
-            problems.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
-    return problems
-
-
 def _resolve_slot(
     kind: ComponentKind, raw: Any, host: PluginHost, problems: list[str]
 ) -> ComponentSpec | None:
@@ -311,7 +275,8 @@ def _resolve_slot(
         return None
     reg = host.get(kind, name)
     try:
-        return ComponentSpec(reg, reg.config.model_validate(params))
+        # The host as validation context: a composed component resolves its members against it.
+        return ComponentSpec(reg, reg.config.model_validate(params, context={"host": host}))
     except ValidationError as exc:
         problems.extend(validation_problems(exc, reg.config, [slot], named=True, owner=f" for {kind.label} {name!r}"))
         return None

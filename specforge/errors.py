@@ -9,7 +9,11 @@ callers can still catch the narrow kind.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "SectionError", "SpecforgeError"]
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ValidationError
+
+__all__ = ["ConfigError", "SectionError", "SpecforgeError", "validation_problems"]
 
 
 class SpecforgeError(Exception):
@@ -33,3 +37,39 @@ class SectionError(ValueError):
     def __init__(self, problems: list[tuple[str, str]]) -> None:
         self.problems = problems
         super().__init__("; ".join(f"{k}: {m}" if k else m for k, m in problems))
+
+
+def _fields_at(model: type[BaseModel], path: Sequence[str]) -> list[str]:
+    """The fields of the (sub)model a dotted error path points into."""
+    for key in path:
+        field = model.model_fields.get(key)
+        sub = getattr(field, "annotation", None) if field else None
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            break
+        model = sub
+    return list(model.model_fields)
+
+
+def validation_problems(exc: ValidationError, model: type[BaseModel], prefix: Sequence[str] = (), *,
+                        named: bool = False, owner: str = "") -> list[str]:
+    """One line per pydantic error of ``model`` validated under the key path ``prefix``: the dotted
+    key path, and for an unknown key the keys valid at that level (``name`` first when the section
+    is a component's, ``named``).  A validator's :class:`SectionError` reports its own keys."""
+    problems = []
+    for err in exc.errors():
+        loc = [*prefix, *map(str, err["loc"])]
+        path = ".".join(loc) or "(top level)"
+        nested = (err.get("ctx") or {}).get("error")
+        if isinstance(nested, SectionError):  # a sub-section checked against its own model
+            problems += [f"{'.'.join([*loc, key]) if key else path}: {msg}" for key, msg in nested.problems]
+        elif err["type"] == "extra_forbidden":
+            inner = [str(x) for x in err["loc"]][:-1]
+            valid = _fields_at(model, inner)
+            if named and not inner:
+                valid = ["name", *valid]
+            problems.append(f"{path}: unknown key{owner}; valid keys: {', '.join(valid)}")
+        elif err["type"] == "missing":
+            problems.append(f"{path}: required key is missing")
+        else:
+            problems.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
+    return problems

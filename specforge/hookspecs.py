@@ -57,7 +57,7 @@ def specforge_register_drafters(register):
     Metadata: ``deterministic`` (bool, default ``False``) — the drafter's q is always one-hot;
     ``parallel`` (bool) — one backbone pass drafts the whole block; ``provides`` — the
     :class:`~specforge.components.DraftBlock` fields it fills among ``"probs"``, ``"logits"``,
-    ``"hidden"``; ``uses_correction_head`` (bool) — it runs the pipeline's correction head,
+    ``"hidden"``, ``"confidence"``; ``uses_correction_head`` (bool) — it runs the pipeline's correction head,
     handed over each round as ``DraftContext.correction_head`` (if not, only identity heads
     combine with it); ``training`` — a training method (:mod:`specforge.toolkit.training`): a
     class with a pydantic ``config`` model, which makes the drafter trainable by

@@ -253,7 +253,7 @@ class PluginHost:
         return self.load().registry.names(kind)
 
     def create(self, kind: ComponentKind | str, name: str, config: BaseModel | dict | None = None) -> Any:
-        return self.get(kind, name).create(config)
+        return self.get(kind, name).create(config, host=self)
 
     # Typed shorthands of create(), one per kind, each returning the kind's protocol
     # (tests/test_registry.py holds them to ComponentKind's table).

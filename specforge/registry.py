@@ -38,7 +38,7 @@ class EmptyConfig(BaseModel):
 # --- per-kind metadata ------------------------------------------------------------------------
 
 
-BlockField = Literal["probs", "logits", "hidden"]
+BlockField = Literal["probs", "logits", "hidden", "confidence"]
 
 
 class _Meta(BaseModel):
@@ -194,10 +194,14 @@ class Registration:
     package: str  # its distribution, or "<unknown>" for plug-ins registered by hand
     version: str
 
-    def create(self, config: BaseModel | dict[str, Any] | None = None) -> Any:
-        """Validate ``config`` against the component's model and build the component."""
+    def create(self, config: BaseModel | dict[str, Any] | None = None, *, host: Any = None) -> Any:
+        """Validate ``config`` against the component's model and build the component.
+
+        ``host``: the plug-in host building it, handed to the config model's validators as the
+        validation context ``{"host": host}`` — how a component made of other registered
+        components (a composed drafter's members) resolves them (:mod:`specforge.toolkit.members`)."""
         if not isinstance(config, self.config):
-            config = self.config.model_validate(config or {})
+            config = self.config.model_validate(config or {}, context=None if host is None else {"host": host})
         return self.factory(config)
 
     def describe(self) -> dict[str, Any]:

@@ -82,6 +82,10 @@ class SamplingParams:
     def __len__(self) -> int:
         return int(self.temperature.shape[0])
 
+    def rows(self, index: list[int]) -> SamplingParams:
+        """The settings of the requests at ``index``, in that order."""
+        return SamplingParams(self.temperature[index], self.top_k[index], self.top_p[index])
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first request with an out-of-range setting."""
         rows = zip(self.temperature.tolist(), self.top_k.tolist(), self.top_p.tolist())

@@ -45,6 +45,7 @@ UNITS = [
     ("specforge_plugins.drafters.eagle3",),
     ("specforge_plugins.drafters.medusa",),
     ("specforge_plugins.drafters.ngram",),
+    ("specforge_plugins.drafters.compose",),
     ("specforge_plugins.drafters.shipped",),
     ("specforge_plugins.verifiers",),
     ("specforge_plugins.schedulers",),

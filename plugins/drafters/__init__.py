@@ -13,6 +13,7 @@ from specforge import hookimpl
 from specforge.toolkit.checkpoints import ship
 from specforge_plugins.drafters.block.formats import DFLASH_FORMATS, DSPARK_FORMATS
 from specforge_plugins.drafters.block.training import BlockTraining, DFlashTraining
+from specforge_plugins.drafters.compose import ComposeConfig, ComposeDrafter, ComposeTraining
 from specforge_plugins.drafters.dflash import DFlashConfig, DFlashDrafter
 from specforge_plugins.drafters.dspark import DSparkConfig, DSparkDrafter
 from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Training
@@ -22,7 +23,7 @@ from specforge_plugins.drafters.medusa import MedusaConfig, MedusaDrafter, Medus
 from specforge_plugins.drafters.ngram import NgramConfig, NgramDrafter
 from specforge_plugins.drafters.shipped import shipped_drafters
 
-__all__ = ["DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter", "Eagle3Config", "Eagle3Drafter",
+__all__ = ["ComposeConfig", "ComposeDrafter", "DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter", "Eagle3Config", "Eagle3Drafter",
            "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter"]
 
 # Here rather than in the hook: a checkpoint is loaded without the host too (scripts, tests), and
@@ -44,11 +45,21 @@ _MEDUSA_EXAMPLES = ({"gamma": 3, "seed": 1}, {"gamma": 4, "res_layers": 2, "draf
 # Eagle3's: chains, one over a draft vocabulary, and EAGLE-2's dynamic tree (2 children per node, 6 kept).
 _EAGLE3_EXAMPLES = ({"gamma": 3, "seed": 1}, {"gamma": 4, "draft_vocab": 6, "seed": 2}, {"gamma": 2, "seed": 3},
                     {"gamma": 3, "seed": 4, "tree": {"topk": 2, "nodes": 6}})
+# A composition's, both modes: prompt lookup in front of a sampling block drafter (cascade, the
+# first with a threshold on ngram's confidence), and the two as sibling branches of a tree.
+_COMPOSE_EXAMPLES = (
+    {"mode": "cascade", "members": [{"name": "ngram", "gamma": 3, "threshold": 0.6},
+                                    {"name": "dspark", "gamma": 3, "layers": 1, "confidence": "entropy"}]},
+    {"mode": "tree", "members": [{"name": "ngram", "gamma": 2},
+                                 {"name": "dspark", "gamma": 3, "layers": 1, "seed": 1, "confidence": "entropy"}]},
+    {"mode": "cascade", "members": [{"name": "ngram", "gamma": 2, "max_ngram": 2},
+                                    {"name": "eagle3", "gamma": 3, "seed": 1, "confidence": "entropy"}]},
+)
 
 
 @hookimpl
 def specforge_register_drafters(register):
-    register("ngram", NgramDrafter, config=NgramConfig, deterministic=True, parallel=False,
+    register("ngram", NgramDrafter, config=NgramConfig, deterministic=True, parallel=False, provides=("confidence",),
              examples=({}, {"gamma": 2, "max_ngram": 2}, {"gamma": 7, "min_ngram": 2}),
              description="prompt lookup: propose what followed the most recent earlier "
                          "occurrence of the last n tokens (no model)")
@@ -71,3 +82,7 @@ def specforge_register_drafters(register):
              examples=_EAGLE3_EXAMPLES, training=Eagle3Training,
              description="EAGLE-3: one decoder layer over three fused target layers, drafting a chain step by "
                          "step on its own hidden states")
+    register("compose", ComposeDrafter, config=ComposeConfig, uses_correction_head=True, trees=True,
+             provides=("confidence",), examples=_COMPOSE_EXAMPLES, training=ComposeTraining,
+             description="registered drafters composed by name: a cascade (the first member whose proposal "
+                         "clears its confidence) or the branches of one token tree")

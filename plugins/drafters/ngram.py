@@ -11,6 +11,12 @@ position ``j`` one comparison per offset ``k < max_ngram`` tells whether ``h[j-k
 A running AND over ``k`` gives the length of the common suffix ending at ``j`` (capped at
 ``max_ngram``); the longest length wins and, among positions that reach it, the last one.  That is
 exactly "longest n first, then most recent occurrence" at O(R·L·max_ngram) tensor work.
+
+**Its confidence.**  The length n of the match is known before any token is proposed, and a
+longer match is a better bet: the block reports c_k = n / (n + 1) at every slot
+(``DraftBlock.confidence``; 0.5 for a one-token match, 0.75 for three).  It is a raw signal, read
+by the ``reported`` confidence estimator and mapped to acceptance rates by a calibrator fitted
+on this pipeline's rounds (docs/composition.md#confidence-per-member).
 """
 
 from __future__ import annotations
@@ -67,8 +73,9 @@ class NgramDrafter:
         device = histories[0].device if histories else torch.device("cpu")
         if not histories:
             empty = torch.zeros(0, dtype=torch.long, device=device)
-            return DraftBlock(tokens=empty.view(0, 0), lengths=empty, anchor=empty)
-        start, padded = self._match(histories)
+            return DraftBlock(tokens=empty.view(0, 0), lengths=empty, anchor=empty,
+                              confidence=torch.zeros(0, 0))
+        start, matched, padded = self._match(histories)
         width = padded.shape[1]
         cap = ctx.max_tokens.to(device=device, dtype=torch.long).clamp(0, self.gamma)
         # The continuation runs from just after the match to the end of the history (the anchor
@@ -79,10 +86,12 @@ class NgramDrafter:
         cols = (start.clamp_min(0).unsqueeze(1) + offsets).clamp_max(width - 1)
         tokens = padded.gather(1, cols).long()
         tokens = torch.where(offsets < lengths.unsqueeze(1), tokens, torch.zeros_like(tokens))
-        return DraftBlock(tokens=tokens, lengths=lengths, anchor=ctx.anchor.to(device))
+        n = matched.to(torch.get_default_dtype()).unsqueeze(1).expand(-1, g)
+        return DraftBlock(tokens=tokens, lengths=lengths, anchor=ctx.anchor.to(device), confidence=n / (n + 1))
 
-    def _match(self, histories: list[Tensor]) -> tuple[Tensor, Tensor]:
-        """Return the continuation start column per request (-1: no match) and the padded batch."""
+    def _match(self, histories: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """Return the continuation start column per request (-1: no match), the match length
+        (0: none) and the padded batch."""
         window = self.config.search_window
         # int32 halves the memory traffic of the comparisons; token ids fit easily.
         rows = [h.reshape(-1).to(torch.int32) for h in histories]
@@ -112,9 +121,10 @@ class NgramDrafter:
             alive[:, k:] &= padded[:, : ends - k] == needle
             run += alive
         if ends == 0:
-            return torch.full((n_rows,), -1, dtype=torch.long, device=device), padded
+            none = torch.full((n_rows,), -1, dtype=torch.long, device=device)
+            return none, none + 1, padded
         best = run.amax(1, keepdim=True)
         cols = torch.arange(ends, device=device)
         last = torch.where(run == best, cols, -1).amax(1)
         found = best.squeeze(1) >= self.config.min_ngram
-        return torch.where(found, last + 1, -1), padded
+        return torch.where(found, last + 1, -1), torch.where(found, best.squeeze(1).long(), 0), padded

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from specforge.components import ComponentWeights
 from specforge.config import PipelineConfig
 from specforge.errors import ConfigError
-from specforge.protocols import Binds, CompanionWeights, LoadsWeights, Restricts, SharesHead, check_optional
+from specforge.protocols import Binds, SharesHead, check_optional
 from specforge.registry import ComponentKind
+from specforge.toolkit.companions import attach_companions, companions_of
 
-__all__ = ["bind_components", "check_calibrator", "drafter_identity", "feature_taps", "load_companion"]
+__all__ = ["bind_components", "check_calibrator", "drafter_identity", "feature_taps"]
 
 
 def bind_components(target: Any, parts: dict[str, Any]) -> tuple[int, ...]:
@@ -33,17 +33,7 @@ def bind_components(target: Any, parts: dict[str, Any]) -> tuple[int, ...]:
     for slot, part in parts.items():
         if slot != "verifier" and isinstance(part, Binds):
             part.bind(target)
-    companions = drafter.companion_weights() if isinstance(drafter, CompanionWeights) else {}
-    for slot, part in (("correction_head", correction_head), ("confidence", confidence)):
-        if slot in companions:
-            load_companion(slot, part, companions[slot])
-    # A drafter that proposes from a draft vocabulary reads its heads' tables by draft id: a
-    # head that came without trained weights (no companion) is restricted to it here.
-    vocab = getattr(drafter, "draft_vocab", None)
-    if vocab is not None:
-        for slot, part in (("correction_head", correction_head), ("confidence", confidence)):
-            if slot not in companions and isinstance(part, Restricts):
-                part.restrict(vocab.token_rows())
+    attach_companions(drafter, {"correction_head": correction_head, "confidence": confidence}, companions_of(drafter))
     if isinstance(confidence, SharesHead):
         confidence.share(correction_head)
     return feature_taps(drafter, target)
@@ -77,16 +67,3 @@ def check_calibrator(calibrator: Any, pipeline: PipelineConfig, drafter: Any) ->
     if wrong:
         raise ConfigError([f"calibrator: fitted on the rounds of another drafter — {', '.join(wrong)}; run "
                            "`specforge calibrate` for this pipeline"])
-
-
-def load_companion(slot: str, part: Any, weights: ComponentWeights) -> None:
-    """Give ``part`` (the pipeline's ``slot``) the weights a drafter's checkpoint trained for it."""
-    if part is None:
-        return
-    if type(part) is not weights.kind:
-        if isinstance(part, LoadsWeights):  # trained weights of another kind exist
-            raise ConfigError([f"{slot}.name: the drafter checkpoint {weights.source} trained a "
-                               f"{weights.kind.__name__} for this slot; the pipeline's is a {type(part).__name__} "
-                               "(choose the same kind, or one without weights such as 'none' to run without it)"])
-        return
-    part.load_weights(weights)

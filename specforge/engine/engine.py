@@ -335,7 +335,7 @@ class Engine:
                 tree = {} if parents is None else {"parents": parents[keep]}
                 result = self.verifier.verify(logits if whole else logits[keep], tokens[keep],
                                               None if probs is None else (probs if whole else probs[keep]),
-                                              lengths[keep], _select(sampling, keep), uniforms[keep], **tree)
+                                              lengths[keep], sampling.rows(keep), uniforms[keep], **tree)
                 break
             except NonFiniteError as exc:  # drop the offending request, verify the rest
                 bad = keep[exc.request] if exc.request is not None else None
@@ -563,7 +563,3 @@ def _prefill_chunk(setting: int | str, target: TargetModel) -> float:
 def _stack_taps(taps: dict[int, Tensor], layers: tuple[int, ...]) -> Tensor:
     """``{layer: [N, d]}`` → ``[N, m, d]`` in ``layers`` order."""
     return torch.stack([taps[i] for i in layers], dim=1)
-
-
-def _select(sampling: SamplingParams, rows: list[int]) -> SamplingParams:
-    return SamplingParams(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows])

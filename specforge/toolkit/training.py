@@ -10,7 +10,7 @@ A drafter is trainable when its registration names a *training method*::
         register("my-drafter", MyDrafter, config=MyDrafterConfig, training=MyTraining, ...)
 
 ``MyTraining`` is a class with a pydantic ``config`` model (the ``drafter.*`` keys of a training
-config, besides ``name``) whose constructor takes ``(config, target)`` and returns an object with
+config, besides ``name``) whose constructor takes ``(config, target, device)`` and returns an object with
 the methods of :class:`DraftTraining`.  The trainer owns everything that is the same for every
 method — data, regeneration, the feature cache, anchors, batching, the teacher law, the
 optimizer and its schedule, ``torchrun``, checkpoints, resuming, metrics and export — and sees a
@@ -166,7 +166,7 @@ class LossOutput:
 
 @runtime_checkable
 class DraftTraining(Protocol):
-    """One training run of a method, built as ``training(config, target)``.
+    """One training run of a method, built as ``training(config, target, device)``.
 
     ``config`` is the method's validated ``config`` model; ``target`` the loaded
     :class:`~specforge.target.TargetModel` (its ``args``, ``runtime.embed``/``lm_head``, ``name``).

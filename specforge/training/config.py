@@ -20,8 +20,8 @@ from typing import Any, Literal
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from specforge.config import TargetConfig, compose, validation_problems
-from specforge.errors import ConfigError
+from specforge.config import TargetConfig, compose
+from specforge.errors import ConfigError, validation_problems
 from specforge.registry import ComponentKind
 
 __all__ = ["PRESETS", "TrainConfig", "TrainConfigError", "load_train_config", "train_preset_names"]
@@ -239,7 +239,7 @@ def _resolve_drafter(section: DrafterSection) -> tuple[Any, BaseModel]:
                                 f"{', '.join(trainable) or '(none)'}"])
     method = reg.metadata.training
     try:
-        return method, method.config.model_validate(section.options())
+        return method, method.config.model_validate(section.options(), context={"host": host})
     except ValidationError as exc:
         raise TrainConfigError(validation_problems(exc, method.config, ["drafter"], named=True)) from None
 
