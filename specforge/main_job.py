@@ -7,8 +7,9 @@
 3. *Evaluation.*  The trained drafter decodes prompts from each eval set at T = 0 and T = 1, and
    plain decoding of the same target decodes the same prompts in the same run: τ, acceptance per
    position and the speedup.  Beside it, in the same run, the comparison arms (by default
-   ``ngram`` and the drafter shipped for the embedded target, the ``dspark`` preset) — arms for
-   another target than the trained one are left out with a note.
+   ``ngram``, the drafter shipped for the embedded target — the ``dspark`` preset — and the
+   ``composed`` preset, the two as a cascade) — arms for another target than the trained one are
+   left out with a note.
 
 Every stage leaves its output under ``output.dir`` and is resumed or reused by the next call:
 regeneration continues at its first missing shard, the feature cache is reused when its
@@ -36,9 +37,10 @@ from specforge.resume import UnreadableRecord, differences, read_record, tree_di
 
 __all__ = ["DEFAULT_COMPARE", "MainJobError", "drafter_fingerprint", "run_main_job", "summary"]
 
-# What a user compares a freshly trained drafter with: prompt lookup (no training) and the
-# drafter shipped for the embedded target.
-DEFAULT_COMPARE = ("ngram", "shipped=dspark")
+# What a user compares a freshly trained drafter with: prompt lookup (no training), the drafter
+# shipped for the embedded target, and the two composed (prompt lookup first, the shipped
+# drafter where it finds nothing; docs/composition.md).
+DEFAULT_COMPARE = ("ngram", "shipped=dspark", "composed=composed")
 
 
 class MainJobError(SpecforgeError):

@@ -240,3 +240,15 @@ def test_a_composition_trains_its_one_trainable_member_and_serves_as_the_composi
     with pytest.raises(TrainConfigError, match=r"drafter.members: a composition trains exactly one trainable member; "
                                                 r"found members.0 \(dspark\), members.1 \(dspark\)"):
         validate_train_config(raw)
+
+
+def test_a_training_preset_s_dspark_keys_do_not_reach_another_drafter():
+    """Naming another drafter over a preset starts the drafter section afresh, as in a pipeline."""
+    from specforge.training.config import load_train_config
+
+    members = "drafter.members=[{name: ngram, gamma: 5}, {name: dspark, layers: 2, gamma: 7}]"
+    config = load_train_config(["cpu"], ["drafter.name=compose", members])
+    assert config.drafter.options() == {"mode": "cascade", "members": [{"name": "ngram", "gamma": 5},
+                                                                       {"name": "dspark", "layers": 2, "gamma": 7}]}
+    assert load_train_config(["cpu"], ["drafter.name=eagle3"]).drafter.name == "eagle3"
+    assert load_train_config(["cpu"], ["drafter.layers=3"]).drafter.options()["draft_vocab"] == 8192

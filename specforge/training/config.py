@@ -20,7 +20,7 @@ from typing import Any, Literal
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from specforge.config import TargetConfig, compose
+from specforge.config import TargetConfig, compose, merge_layer
 from specforge.errors import ConfigError, validation_problems
 from specforge.registry import ComponentKind
 
@@ -281,11 +281,15 @@ def load_train_config(sources: list[str] | str = "quick", overrides: list[str] |
         else:
             raise TrainConfigError([f"{src}: no such config file or training preset; presets: "
                                f"{', '.join(train_preset_names())}"])
-    merged = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
+    # A layer that names another drafter starts its section afresh (as in a pipeline): the
+    # presets' DSpark keys must not reach `drafter.name=eagle3`.
+    merged = OmegaConf.create({})
+    for layer in layers:
+        merged = merge_layer(merged, layer)
     # total_steps and epochs are alternatives: overriding one replaces the other from the sources.
     keys = {o.split("=", 1)[0].strip() for o in overrides or []}
     for given, other in (("total_steps", "epochs"), ("epochs", "total_steps")):
         if f"schedule.{given}" in keys and f"schedule.{other}" not in keys and "schedule" in merged:
             merged.schedule[other] = None
-    raw = OmegaConf.to_container(OmegaConf.merge(merged, OmegaConf.create(compose([], overrides))), resolve=True)
+    raw = OmegaConf.to_container(merge_layer(merged, OmegaConf.create(compose([], overrides))), resolve=True)
     return validate_train_config(raw, source=", ".join(sources))  # type: ignore[arg-type]
