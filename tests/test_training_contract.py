@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specforge.errors import SpecforgeError
 from specforge.plugins import get_host
 from specforge.training.config import TrainConfig, TrainConfigError, load_train_config
 from specforge.training.trainer import Trainer
@@ -238,3 +239,30 @@ def test_dflash_trains_on_its_own_position_weighted_cross_entropy(target):
     w = torch.exp(-torch.arange(4.0) / 2)
     by_hand = ((w * nll[0]).sum() + (w[:2] * nll[1, :2]).sum()) / 2
     torch.testing.assert_close(out.total, by_hand)
+
+
+def test_draft_layers_start_from_the_named_target_layers(target, tmp_path):
+    method_cls, options = _config(tmp_path, {"layers": 2, "init_from_target": [2, 1]}, 1).training_method()
+    method = method_cls(options, target, "cpu")
+    rt = target.runtime
+    q = method.module.backbone.layers[0].wq.weight.shape[0]
+    for draft, lid in zip(method.module.backbone.layers, [2, 1]):
+        theirs = rt.layers[lid]
+        torch.testing.assert_close(torch.cat([draft.wq.weight, draft.wkv.weight]), theirs.wqkv.float())
+        assert draft.wq.weight.shape[0] == q
+        for mine, other in ((draft.wo.weight, theirs.wo), (draft.w13.weight, theirs.w13), (draft.w2.weight, theirs.w2),
+                            (draft.attn_norm.weight, theirs.attn_norm), (draft.mlp_norm.weight, theirs.mlp_norm)):
+            torch.testing.assert_close(mine, other.float())
+    # The start is a copy: training the draft layer leaves the target untouched.
+    before = rt.layers[2].wo.clone()
+    with torch.no_grad():
+        method.module.backbone.layers[0].wo.weight.add_(1.0)
+    torch.testing.assert_close(rt.layers[2].wo, before)
+
+
+def test_init_from_target_errors_name_the_key(target, tmp_path):
+    with pytest.raises(TrainConfigError, match=r"drafter\.init_from_target.*one each"):
+        _config(tmp_path, {"layers": 2, "init_from_target": [1]}, 1).training_method()
+    method_cls, options = _config(tmp_path, {"layers": 1, "init_from_target": [99]}, 1).training_method()
+    with pytest.raises(SpecforgeError, match=r"drafter\.init_from_target\.0: target layer 99 is outside"):
+        method_cls(options, target, "cpu")

@@ -109,6 +109,23 @@ class DraftLayerBase(nn.Module):
         self.w2 = nn.Linear(shape.intermediate_size, d, bias=False)
         self.activation = shape.activation
 
+    @torch.no_grad()
+    def copy_output_from(self, target_layer: nn.Module) -> None:
+        """Take the output half of a target layer (``wo``, ``q_norm``/``k_norm``, ``mlp_norm``,
+        ``w13``, ``w2``) as this layer's starting weights: a draft layer of the target's shape can
+        start from what the target already computes instead of from noise (the recipe study in
+        docs/shipped-drafter.md measures whether that pays).  ``target_layer`` is a layer of the
+        runtime's :class:`~specforge.target.model.Transformer`, whose tensors are read, not shared."""
+        pairs = [(self.wo.weight, target_layer.wo), (self.mlp_norm.weight, target_layer.mlp_norm),
+                 (self.w13.weight, target_layer.w13), (self.w2.weight, target_layer.w2)]
+        if hasattr(self, "q_norm"):
+            pairs += [(self.q_norm.weight, target_layer.q_norm), (self.k_norm.weight, target_layer.k_norm)]
+        for mine, theirs in pairs:
+            if mine.shape != theirs.shape:
+                raise ValueError(f"a target layer's tensor of shape {tuple(theirs.shape)} cannot start a draft "
+                                 f"layer's of shape {tuple(mine.shape)}")
+            mine.copy_(theirs.detach().to(mine.dtype))
+
     def finish(self, residual: Tensor, attended: Tensor) -> Tensor:
         """``residual + wo(attended)``, then the MLP block: the layer's output."""
         x = residual + self.wo(attended)

@@ -67,6 +67,21 @@ class DraftLayer(DraftLayerBase):
             k = self.k_norm(k)
         return rotate(k, cos, sin), v
 
+    @torch.no_grad()
+    def copy_from(self, target_layer: nn.Module) -> None:
+        """Start from a target layer's weights: its input norm, its fused q/k/v projection split
+        into ``wq`` and ``wkv`` (a q/k/v bias, which draft layers do not have, is left out) and
+        its output half (:meth:`~specforge.toolkit.layers.DraftLayerBase.copy_output_from`)."""
+        q_size = self.wq.weight.shape[0]
+        wqkv = target_layer.wqkv.detach()
+        if wqkv.shape[0] != q_size + self.wkv.weight.shape[0]:
+            raise ValueError(f"a target layer with q/k/v rows {wqkv.shape[0]} cannot start a draft layer with "
+                             f"{q_size + self.wkv.weight.shape[0]}")
+        self.attn_norm.weight.copy_(target_layer.attn_norm.detach().float())
+        self.wq.weight.copy_(wqkv[:q_size].float())
+        self.wkv.weight.copy_(wqkv[q_size:].float())
+        self.copy_output_from(target_layer)
+
     def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         c = self.c
         b, s, _ = x.shape

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from torch import Tensor, nn
 
-from specforge.errors import SectionError
+from specforge.errors import SectionError, SpecforgeError
 from specforge.toolkit.checkpoints import DrafterCheckpointError
 from specforge.toolkit.confidence_head import CONFIDENCE_HEADS
 from specforge.toolkit.heads import HEADS
@@ -107,6 +107,9 @@ class BlockTrainConfig(BaseModel):
     norm_init_scale: float | None = Field(
         0.1, gt=0, description="initial final-norm weights: this times the target's final norm "
                                "(the scale its LM head was trained on); None: ones")
+    init_from_target: list[int] | None = Field(
+        None, description="target layer ids (0-based, one per draft layer) whose weights start the draft layers "
+                          "(attention, MLP and norms; the fusion layer stays random); None: a random start")
     loss: LossWeights = Field(default_factory=LossWeights)
     draft_vocab: int | None = Field(
         None, ge=1, description="N: draft only the N most frequent tokens of the training answers (the LM head, "
@@ -128,6 +131,14 @@ class BlockTrainConfig(BaseModel):
         if self.confidence.get("embedding") == "head" and self.head["name"] == NONE:
             raise ValueError("confidence.embedding='head' ties to the correction head's W1; head.name is 'none'")
         return self
+
+    @field_validator("init_from_target")
+    @classmethod
+    def _one_each(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        layers = info.data.get("layers")
+        if value is not None and layers is not None and len(value) != layers:
+            raise ValueError(f"names {len(value)} target layers for {layers} draft layers (one each)")
+        return value
 
 
 class DrafterModule(BatchModule):
@@ -160,6 +171,18 @@ def _network(networks: dict[str, type[nn.Module]], spec: dict[str, Any], vocab: 
     return module
 
 
+def _start_from_target(backbone: BlockBackbone, runtime: nn.Module, layer_ids: list[int]) -> None:
+    """Draft layer i starts as target layer ``layer_ids[i]`` (``drafter.init_from_target``)."""
+    n = len(runtime.layers)
+    for i, (layer, lid) in enumerate(zip(backbone.layers, layer_ids, strict=True)):
+        if not 0 <= lid < n:
+            raise SpecforgeError(f"drafter.init_from_target.{i}: target layer {lid} is outside the target's {n} layers")
+        if not hasattr(runtime.layers[lid], "wqkv"):
+            raise SpecforgeError(f"drafter.init_from_target.{i}: the target's layers hold no dense weights to copy "
+                                 "(target.weights: native); load it with dense weights")
+        layer.copy_from(runtime.layers[lid])
+
+
 class BlockTraining(VocabTraining):
     """One training run of a DSpark-layout block drafter (see the module docstring)."""
 
@@ -184,6 +207,8 @@ class BlockTraining(VocabTraining):
         if config.norm_init_scale is not None:  # the frozen LM head was trained on the target's norm's scale
             with torch.no_grad():
                 backbone.norm.weight.copy_(config.norm_init_scale * rt.norm.detach().float())
+        if config.init_from_target is not None:
+            _start_from_target(backbone, rt, config.init_from_target)
         head = _network(HEADS, config.head, vocab, target)
         confidence = _network(CONFIDENCE_HEADS, config.confidence, vocab, target)
         if confidence is not None and confidence.config.embedding == "head":
