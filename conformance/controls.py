@@ -16,6 +16,8 @@ kind (:mod:`specforge_conformance.probes`) and :data:`CLAIMS` names the statisti
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
@@ -47,7 +49,10 @@ __all__ = [
     "ResampleTargetVerifier",
     "SampledTokenConfidence",
     "SharedUniformVerifier",
+    "TreeLateSiblingVerifier",
+    "TreeLeakyResidualVerifier",
     "TreeRejectedSubtreeVerifier",
+    "TreeSiblingEchoVerifier",
     "TreeStaleResidualVerifier",
     "WrongTemperatureDrafter",
 ]
@@ -324,10 +329,16 @@ SUBTLE: dict[str, tuple[ComponentKind, dict]] = {
     "over-accept": (ComponentKind.VERIFIER, {}),
     "batch-shared": (ComponentKind.VERIFIER, {}),
     "peek-next": (ComponentKind.SCHEDULER, {"theta": 0.5}),
+    # Tree walks: run in the verifier's tree probe (probes.probe_cases), the shipped walk with
+    # the wrong randomness for some nodes, a rule off for late siblings, a residual half-updated.
+    "tree-sibling-echo": (ComponentKind.VERIFIER, {}),
+    "tree-late-sibling": (ComponentKind.VERIFIER, {}),
+    "tree-leaky-residual": (ComponentKind.VERIFIER, {}),
 }
 # The statistic each subtle control is meant to be caught by.
 CLAIMS = {"cool-drafter": "draft law", "residual-off-by-one": "emission", "over-accept": "acceptance",
-          "batch-shared": "cross-request", "peek-next": "selection"}
+          "batch-shared": "cross-request", "peek-next": "selection", "tree-sibling-echo": "walk pairs",
+          "tree-late-sibling": "acceptance", "tree-leaky-residual": "emission"}
 
 
 # --- tree verifiers ---------------------------------------------------------------------------
@@ -375,6 +386,91 @@ class TreeRejectedSubtreeVerifier(RejectionVerifier):
         return VerifyOutput(num_accepted=counts, next_token=out.next_token, path=path)
 
 
+def sibling_index(parents: Tensor) -> Tensor:
+    """``[R, G]`` how many earlier nodes share each node's parent (0: a first child)."""
+    same = parents[:, :, None] == parents[:, None, :]  # [R, j, i]
+    earlier = torch.ones(parents.shape[1], parents.shape[1], dtype=torch.bool).tril(-1)
+    return (same & earlier).sum(-1)
+
+
+class _TreeRandomness(RejectionVerifier):
+    """The shipped walk (:func:`~specforge.toolkit.trees.verify_tree`) under the declared rule,
+    handed uniforms that :meth:`tamper` changes; chains are verified correctly."""
+
+    def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, parents=None):
+        if parents is None:
+            return super().verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
+        inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
+        parents = parents.to(torch.long)
+        return verify_tree(self.accept_probability, self.residual, self.target_probs(inputs, sampling),
+                           inputs.tokens, inputs.probs, parents, inputs.lengths,
+                           self.tamper(inputs.uniforms.clone(), parents))
+
+    @abstractmethod
+    def tamper(self, uniforms: Tensor, parents: Tensor) -> Tensor:
+        """The uniforms the walk is handed (``[R, G+1, 2]``, a copy) given the tree's ``parents``."""
+
+
+class EchoConfig(RejectionConfig):
+    every: int = Field(5, ge=1, description="the rows of the batch affected: every this many")
+
+
+class TreeSiblingEchoVerifier(_TreeRandomness):
+    """In every fifth row of the batch, each third sibling (index 2, 5, …) is decided with the
+    uniform of the node before it (its elder sibling in breadth-first order): the randomness of
+    one node leaks into another's decision, for some nodes only."""
+
+    def __init__(self, config: EchoConfig | None = None) -> None:
+        super().__init__(config or EchoConfig())
+
+    def tamper(self, uniforms: Tensor, parents: Tensor) -> Tensor:
+        sib = sibling_index(parents)
+        rows = (torch.arange(parents.shape[0]) % self.config.every == 0)[:, None]
+        echo = ((sib % 3 == 2) & rows).nonzero(as_tuple=True)
+        uniforms[echo[0], echo[1], 0] = uniforms[echo[0], echo[1] - 1, 0]
+        return uniforms
+
+
+class LateSiblingConfig(RejectionConfig):
+    boost: float = Field(1.15, gt=0, description="acceptance of the third and later siblings × this")
+
+
+class TreeLateSiblingVerifier(_TreeRandomness):
+    """The third and later siblings of a node are accepted with min(1, 1.15·a) — their uniform
+    is scaled — while the first two follow the rule."""
+
+    def __init__(self, config: LateSiblingConfig | None = None) -> None:
+        super().__init__(config or LateSiblingConfig())
+
+    def tamper(self, uniforms: Tensor, parents: Tensor) -> Tensor:
+        late = sibling_index(parents) >= 2
+        uniforms[..., :-1, 0] = torch.where(late, uniforms[..., :-1, 0] / self.config.boost, uniforms[..., :-1, 0])
+        return uniforms
+
+
+class LeakyResidualConfig(RejectionConfig):
+    leak: float = Field(0.05, ge=0, le=1, description="share of the pre-rejection law kept in the residual")
+
+
+class TreeLeakyResidualVerifier(RejectionVerifier):
+    """After a rejected sibling the walk goes on with (1 − ε)·residual + ε·(the law before it):
+    a residual update that is only mostly made."""
+
+    def __init__(self, config: LeakyResidualConfig | None = None) -> None:
+        super().__init__(config or LeakyResidualConfig())
+
+    def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, parents=None):
+        if parents is None:
+            return super().verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
+        inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
+        eps = self.config.leak
+
+        def leaky(p: Tensor, q: Tensor | None, x: Tensor) -> Tensor:
+            return (1 - eps) * self.residual(p, q, x) + eps * p
+        return verify_tree(self.accept_probability, leaky, self.target_probs(inputs, sampling), inputs.tokens,
+                           inputs.probs, parents.to(torch.long), inputs.lengths, inputs.uniforms)
+
+
 # --- registration -----------------------------------------------------------------------------
 
 
@@ -398,6 +494,12 @@ def specforge_register_verifiers(register):
              description="NEGATIVE CONTROL: tree walk without the residual update after a rejected sibling")
     register("tree-rejected-subtree", TreeRejectedSubtreeVerifier, config=RejectionConfig, lossless=True,
              trees=True, description="NEGATIVE CONTROL: tree walk that tries a rejected child's children")
+    register("tree-sibling-echo", TreeSiblingEchoVerifier, config=EchoConfig, lossless=True, trees=True,
+             description="NEGATIVE CONTROL: in some rows, every third sibling decided with its elder's uniform")
+    register("tree-late-sibling", TreeLateSiblingVerifier, config=LateSiblingConfig, lossless=True, trees=True,
+             description="NEGATIVE CONTROL: third and later siblings accepted with min(1, 1.15·a)")
+    register("tree-leaky-residual", TreeLeakyResidualVerifier, config=LeakyResidualConfig, lossless=True,
+             trees=True, description="NEGATIVE CONTROL: residual after a rejected sibling keeps 5 % of the law before")
 
 
 @hookimpl

@@ -202,9 +202,15 @@ class RandomTreeConfig(BaseModel):
     children: Literal["iid", "distinct", "top"] = Field(
         "iid", description="how siblings are drawn: independently from their parent's law; without replacement "
                            "(q = the law given the siblings drawn before); or the top-k of that law (one-hot q)")
-    sharpness: float = Field(2.0, gt=0, description="scale of the random logits")
+    source: Literal["table", "target"] = Field(
+        "table", description="where a node's children's law comes from: a random table indexed by depth and the "
+                             "parent's token, or the target's own law after the node's path (perturbed as "
+                             "``shadow``'s: temperature and noise), close to p, so that siblings are often accepted")
+    sharpness: float = Field(2.0, gt=0, description="scale of the random logits (source: table)")
     seed: int = Field(4321, description="seed of the random law table")
     buckets: int = Field(64, ge=1, description="previous tokens share law rows modulo this")
+    temperature: float = Field(1.5, gt=0, description="the target's logits are divided by this (source: target)")
+    noise: float = Field(0.05, ge=0, lt=1, description="weight of a uniform law mixed in (source: target)")
 
     @model_validator(mode="after")
     def _size(self) -> RandomTreeConfig:
@@ -251,6 +257,24 @@ class RandomTreeDrafter:
         v, c = target.vocab_size, self.config
         gen = torch.Generator().manual_seed(c.seed)
         self.table = torch.randn(len(c.branching), min(c.buckets, v), v, generator=gen) * c.sharpness
+        self.shadow = None
+        if c.source == "target":
+            self.shadow = ShadowDrafter(ShadowDrafterConfig(gamma=1, temperature=c.temperature, noise=c.noise))
+            self.shadow.bind(target)
+
+    @torch.inference_mode()
+    def _row(self, ctx: DraftContext, tokens: Tensor, j: int) -> Tensor:
+        """``[R, V]`` logits of node j's law, given its parent."""
+        parent = int(self.parents[j])
+        if self.shadow is None:
+            prev = ctx.anchor if parent < 0 else tokens[:, parent]
+            return self.table[self.depth[j], prev % self.table.shape[1]]
+        path, node = [], parent
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        seqs = [tuple(h.tolist()) + tuple(tokens[r, path[::-1]].tolist()) for r, h in enumerate(ctx.histories)]
+        return self.shadow.law(self.shadow._next_logits(seqs), 0).log()
 
     def release(self, request_id: int) -> None:
         pass
@@ -266,8 +290,7 @@ class RandomTreeDrafter:
         taken: dict[int, Tensor] = {}  # parent node -> [R, V] siblings drawn so far
         for j in range(g):
             parent = int(self.parents[j])
-            prev = ctx.anchor if parent < 0 else tokens[:, parent]
-            row = self.table[self.depth[j], prev % self.table.shape[1]]  # [R, V]
+            row = self._row(ctx, tokens, j)  # [R, V]
             law = torch.softmax(row, -1)
             seen = taken.setdefault(parent, torch.zeros(r, v, dtype=torch.bool))
             if self.config.children == "distinct":
@@ -298,4 +321,5 @@ def specforge_register_drafters(register):
     register("random-tree", RandomTreeDrafter, config=RandomTreeConfig, provides=("probs", "logits"), trees=True,
              examples=({"branching": [3, 1]}, {"branching": [2, 2], "children": "distinct"},
                        {"branching": [3, 2], "children": "top"}),
-             description="TEST ONLY: random token trees of a fixed shape, siblings iid, distinct or top-k")
+             description="TEST ONLY: token trees of a fixed shape from a random table or the target's perturbed "
+                         "law, siblings iid, distinct or top-k")

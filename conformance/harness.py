@@ -38,12 +38,14 @@ from specforge_conformance.exact import ExactLaw, ReferenceSpec, exact_law, refe
 from specforge_conformance.rounds import RoundRecorder
 from specforge_conformance.stats import FitResult, detectable_tv, goodness_of_fit
 
-__all__ = ["STATISTICS", "Case", "CaseResult", "check_case", "run_case"]
+__all__ = ["MIN_VERIFIED", "STATISTICS", "Case", "CaseResult", "check_case", "informative", "pilot", "run_case",
+           "shares"]
 
 RERUN_FACTOR = 10
 SCREEN = 1e-3  # a statistic with p below this at N is measured again at 10·N
 # Every statistic a case can produce; the per-case level is shared among all of them (Bonferroni).
-STATISTICS = ("sequence", "independence", "cross-request", "draft law", "selection", "acceptance", "emission")
+STATISTICS = ("sequence", "independence", "cross-request", "draft law", "selection", "acceptance", "emission",
+              "walk pairs")
 PAIR_BUCKETS = 8  # independence: the most likely sequences, each its own bucket, and the rest
 
 
@@ -112,6 +114,7 @@ class CaseResult:
     rerun: CaseResult | None = None
     counts: torch.Tensor | None = field(default=None, repr=False)
     tests: dict[str, FitResult] = field(default_factory=dict)  # every statistic, "sequence" included
+    trees: bool = False  # some round verified a token tree
 
     @property
     def level(self) -> float:
@@ -159,6 +162,9 @@ class CaseResult:
             "tests": {name: {**f.to_dict(), "detectable": None if math.isinf(mde[name]) else mde[name]}
                       for name, f in self.tests.items()},
             "tau": round(self.tau, 4),
+            "trees": self.trees,
+            "verified_share": round(shares(self)[0], 4),
+            "accepted_share": round(shares(self)[1], 4),
             "acceptance": round(self.accepted / self.verified, 4) if self.verified else None,
             "seconds": round(self.seconds, 2),
             "rerun": None if self.rerun is None else self.rerun.to_dict(),
@@ -226,8 +232,30 @@ def run_case(case: Case, host: PluginHost, law: ExactLaw | None = None, alpha: f
         case, fit, alpha, seconds,
         rounds=sum(s.rounds for s in stats), drafted=sum(s.drafted for s in stats),
         verified=sum(s.verified for s in stats), accepted=sum(s.accepted for s in stats), counts=counts,
-        tests=tests,
+        tests=tests, trees=recorder.tree_rounds > 0,
     )
+
+
+# A case is *informative* when verification happens in it: a substantial share of its drafted
+# tokens is verified and some are accepted (τ > 1).  A case that verifies nothing tests the plain
+# path only, whatever the combination's components are.
+MIN_VERIFIED = 0.25
+PILOT = 160
+
+
+def shares(result: CaseResult) -> tuple[float, float]:
+    """(verified, accepted) as shares of the drafted tokens (0 when nothing was drafted)."""
+    drafted = max(result.drafted, 1)
+    return result.verified / drafted, result.accepted / drafted
+
+
+def informative(result: CaseResult) -> bool:
+    return shares(result)[0] >= MIN_VERIFIED and result.accepted > 0
+
+
+def pilot(case: Case, host: PluginHost, n: int = PILOT) -> CaseResult:
+    """A short run of ``case`` (its statistics unused) to see how much it verifies."""
+    return run_case(replace(case, n=n), host)
 
 
 def independence(cells: torch.Tensor, probs: torch.Tensor, buckets: int = PAIR_BUCKETS) -> FitResult:

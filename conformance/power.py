@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from specforge.plugins import PluginHost
+from specforge.registry import ComponentKind
 from specforge_conformance import controls, probes
 from specforge_conformance.harness import STATISTICS, Case, run_case
 from specforge_conformance.stats import FitResult, power
@@ -49,7 +50,11 @@ def control_case(name: str, n: int | None = None, seed: int = 0, host: PluginHos
 
         kind, params = controls.SUBTLE[name]
         host = host or control_host()
-        case = probes.probe_cases(host, kind, name, n or TIERS["fast"].size(kind))[0]
+        cases = probes.probe_cases(host, kind, name, n or TIERS["fast"].size(kind))
+        # a tree verifier's bug lives in its tree probe (the one whose drafter proposes trees)
+        trees = host.get(kind, name).metadata.trees
+        case = next((c for c in cases if trees and host.get(ComponentKind.DRAFTER, c.pipeline["drafter"][0])
+                     .metadata.trees), cases[0])
         pipeline = {**case.pipeline, kind.value: (name, params)}
         return replace(case, pipeline=pipeline, seed=seed)
     spec = dict(controls.CONTROL_CASES[name])

@@ -11,8 +11,11 @@ kind       probe cases (horizon 4, vocabulary 8, T = 1 unless said)
 verifier   ``shadow`` with a per-position spike (long accepted prefixes, rejections at every
            depth, residuals far apart between positions); the one-hot (deterministic-draft)
            path is met in the combinations with ``ngram``, under the same statistics; a
-           verifier that verifies trees also meets ``random-tree`` (three i.i.d. children of
-           the anchor, two under each: rejected siblings, residual updates, subtrees)
+           verifier that verifies trees also meets ``random-tree`` twice: four top-k
+           children of the anchor and two under each (every sibling's acceptance strictly
+           between 0 and 1, up to three rejected siblings), and three i.i.d. children with two
+           under each (repeated tokens among siblings, sampled q); a verifier that declares
+           its rule is replayed there node by node
 drafter    the drafter with ``rejection`` and ``fixed`` at T = 1, and at T = 0.8 with top-p 0.9
            (its reported q checked slot by slot by the draft-law statistic)
 confidence ``random`` (sequential, peaked) → the estimator → ``probe-median``: a slot is verified
@@ -122,7 +125,15 @@ _DEFAULTS = {kind.value: (DEFAULT_COMPONENTS[kind], {}) for kind in ComponentKin
 _REJECTION = ("rejection", {})
 _SPIKY = ("shadow", {"gamma": 3, "temperature": 1.0, "noise": 0.05, "spike": 0.3})
 _SEQUENTIAL = ("random", {"gamma": 3, "sharpness": 2.0})
-_TREE = ("random-tree", {"branching": [3, 2]})
+# Two trees.  Deterministic (top-k, one-hot q) children of the target's own perturbed law, four
+# under the anchor and two under each: the acceptance of the j-th sibling is the residual's mass
+# at its token — large for the first, strictly between 0 and 1 at every sibling — so each
+# decision carries information.  And three iid children, two
+# under each: repeated tokens among siblings and sampled q — but after one rejection a sibling
+# drawn from the same q is accepted with probability 0 or 1 almost always (the residual lives
+# where p > q), so that tree tests the walk's output law more than its individual decisions.
+_TREES = (("random-tree", {"branching": [4, 2], "children": "top", "source": "target"}),
+          ("random-tree", {"branching": [3, 2]}))
 
 
 def _pipeline(**slots) -> dict:
@@ -149,11 +160,13 @@ def probe_cases(host: PluginHost, kind: ComponentKind, name: str, n: int, seed: 
         spiky = Case(pipeline=_pipeline(drafter=_SPIKY, verifier=mine), batch=256)
         cases = [spiky]
         if meta.trees:  # and its walk over trees: rejected siblings, residual updates, subtrees
-            cases.append(Case(pipeline=_pipeline(drafter=_TREE, verifier=mine), batch=64))
+            cases += [Case(pipeline=_pipeline(drafter=tree, verifier=mine), batch=64) for tree in _TREES]
         if meta.greedy_only:
             cases = [replace(c, temperature=0.0) for c in cases]
-        # the tree case at half the chain case's N: its output law is all it is tested on
-        return [_finish(c, n if c is spiky else n // 2, seed, "verifier") for c in cases]
+        # the top-k tree at the chain case's N (its decisions carry the information), the iid
+        # one at half of it (its output law is most of what it tests)
+        sizes = [n, n, n // 2][:len(cases)]
+        return [_finish(c, size, seed, "verifier") for c, size in zip(cases, sizes)]
     if kind is ComponentKind.DRAFTER:
         if name in SUITE_DRAFTERS:
             return []
@@ -181,18 +194,15 @@ def probe_cases(host: PluginHost, kind: ComponentKind, name: str, n: int, seed: 
     return []
 
 
-def _most_selective(cases: list[Case], host: PluginHost, pilot: int = 160) -> Case:
+def _most_selective(cases: list[Case], host: PluginHost) -> Case:
     """The case whose scheduler verifies closest to half of the drafted slots in a short pilot
     run: a parameter set under which it verifies everything or nothing decides nothing (a
     step curve that admits no draft at this batch size, a threshold above every confidence)."""
     if len(cases) == 1:
         return cases[0]
-    from specforge_conformance.harness import run_case
+    from specforge_conformance.harness import pilot, shares
 
-    def balance(case: Case) -> float:
-        r = run_case(replace(case, n=pilot), host)
-        return abs(r.verified / max(r.drafted, 1) - 0.5)
-    return min(cases, key=balance)
+    return min(cases, key=lambda case: abs(shares(pilot(case, host))[0] - 0.5))
 
 
 def _sequential_for(host: PluginHost, needs: set[str]) -> dict | None:

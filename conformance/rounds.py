@@ -34,11 +34,13 @@ import torch
 from torch import Tensor
 
 from specforge.sampling import warp
-from specforge_conformance.stats import FitResult, bernoulli_fit, pair_fit, pit, uniformity_fit
+from specforge_conformance.stats import FitResult, bernoulli_fit, pair_fit, pit, square_fit, uniformity_fit
 
 __all__ = ["RoundRecorder", "declares_law"]
 
-BONUS = 1000  # emission strata: the rejection position k (0-based), or BONUS + ℓ for a bonus token
+BONUS = 1000  # emission strata: depth·SIBLINGS + rejected siblings there, or BONUS + depth for a bonus token
+SIBLINGS = 4  # sibling indices (and counts of rejected siblings) kept apart; more share the last stratum
+WALK_STRATA = 4  # walk-pair strata: the index of the pair's first event, the last one shared
 EMITTED = -1  # cross-request stratum of emitted tokens (draft tokens: their slot k)
 
 
@@ -79,10 +81,14 @@ class RoundRecorder:
         self.emission = _Stream()
         self.accept_prob: list[Tensor] = []
         self.accepted: list[Tensor] = []
+        self.sibling: list[Tensor] = []  # the accept events' sibling index (0: the first child tried)
+        self.walk_pairs: list[Tensor] = []  # [m, 2] PITs of consecutive events of one walk
+        self.walk_strata: list[Tensor] = []
         self.pairs: list[Tensor] = []  # [m, 2] id-ordered PITs of neighbouring rows' draws
         self.pair_strata: list[Tensor] = []  # their source: draft slot k, or EMITTED
         self.reported_probs = False
         self.law_declared = False
+        self.tree_rounds = 0  # verify calls that walked a token tree
 
     def _u(self, n: int) -> Tensor:
         return torch.rand(n, generator=self.gen, dtype=torch.float64)
@@ -115,33 +121,85 @@ class RoundRecorder:
         self.pair_strata.append(torch.full((int(both.sum()),), stratum, dtype=torch.long))
 
     def on_verify(self, verifier, logits: Tensor, tokens: Tensor, probs: Tensor | None, lengths: Tensor,
-                  sampling, out, tree: bool = False) -> None:
+                  sampling, out, parents: Tensor | None = None) -> None:
         g = tokens.shape[1]
         lengths = lengths.to(torch.long)
+        self.tree_rounds += parents is not None
         if probs is not None and g:
             rows, cols = (torch.arange(g)[None, :] < lengths[:, None]).nonzero(as_tuple=True)
             self.selection.add(probs[rows, cols], tokens[rows, cols], cols, self._u(rows.numel()))
-        # Acceptance and emission replay the chain rule position by position; a tree round's walk
-        # is checked by the law of its output (sequence, independence, cross-request) instead.
-        if not self.law_declared or tree:
+        if not self.law_declared:
             return
-        n = out.num_accepted.to(torch.long)
         p = warp(logits, sampling)
-        r = torch.arange(p.shape[0])
-        if g:
-            a = verifier.accept_probability(p[:, :g], probs, tokens)
-            reached = torch.arange(g)[None, :] < torch.minimum(n + 1, lengths)[:, None]
-            self.accept_prob.append(a[reached].detach())
-            self.accepted.append((torch.arange(g)[None, :] < n[:, None])[reached])
-        law = p[r, n]
-        rejected = n < lengths
-        if g and bool(rejected.any()):
-            k = n.clamp(max=g - 1)
-            q = None if probs is None else probs[r, k]
-            law = torch.where(rejected[:, None], verifier.residual(law, q, tokens[r, k]), law)
-        strata = torch.where(rejected, n, BONUS + lengths)
-        self.emission.add(law, out.next_token, strata, self._u(len(r)))
-        self._pair(law, out.next_token, torch.ones(len(r), dtype=torch.bool), EMITTED)
+        if parents is None:  # a chain is the tree whose node j hangs under node j − 1
+            parents = (torch.arange(g) - 1).expand(tokens.shape[0], g)
+        law = self._replay(verifier, p, tokens, probs, parents.to(torch.long), lengths, out)
+        self._pair(law, out.next_token, torch.ones(len(law), dtype=torch.bool), EMITTED)
+
+    def _replay(self, verifier, p: Tensor, tokens: Tensor, probs: Tensor | None, parents: Tensor, lengths: Tensor,
+                out) -> Tensor:
+        """Walk the verified tree again along the path ``out`` reports, under the verifier's own
+        declared rule (docs/design/verification.md#multi-draft-trees): the children of the node
+        the walk stands on are tried in index order, child j against the law left by the siblings
+        rejected before it.  Every tried node feeds *acceptance* (its declared probability, whether
+        it was accepted, its sibling index); the emitted token feeds *emission* under the law the
+        walk ends with; each event's randomised PIT and the next one's feed *walk pairs*.  A
+        reported path the walk cannot take (a node that was never tried) is an impossible draw.
+        Returns the emission law ``[R, V]``."""
+        r, g = tokens.shape
+        rows = torch.arange(r)
+        n = out.num_accepted.to(torch.long)
+        path = out.path
+        if path is None:
+            path = torch.where(torch.arange(g)[None, :] < n[:, None], torch.arange(g)[None, :], -1)
+        path = path.to(torch.long)
+        cur = torch.full((r,), -1, dtype=torch.long)
+        depth = torch.zeros(r, dtype=torch.long)
+        tried = torch.zeros(r, dtype=torch.long)  # children of the current node tried (and rejected) so far
+        law = p[:, 0].clone()
+        last = torch.full((r,), float("nan"), dtype=torch.float64)  # the walk's previous event's PIT
+        events = torch.zeros(r, dtype=torch.long)
+        for j in range(g):
+            child = (j < lengths) & (parents[:, j] == cur)
+            if not bool(child.any()):
+                continue
+            x = tokens[:, j]
+            q = None if probs is None else probs[:, j]
+            a = verifier.accept_probability(law, q, x).to(torch.float64).clamp(0.0, 1.0)
+            nxt = path[rows, depth.clamp(max=g - 1)]
+            accept = child & (depth < n) & (nxt == j)
+            reject = child & ~accept
+            self.accept_prob.append(a[child])
+            self.accepted.append(accept[child])
+            self.sibling.append(tried[child].clamp(max=SIBLINGS - 1))
+            w = self._u(r)
+            self._event(torch.where(accept, a * w, a + (1 - a) * w), child, last, events)
+            if bool(reject.any()):
+                law = torch.where(reject[:, None], verifier.residual(law, q, x), law)
+                tried = tried + reject.to(torch.long)
+            if bool(accept.any()):
+                law = torch.where(accept[:, None], p[:, j + 1], law)
+                cur = torch.where(accept, j, cur)
+                depth = depth + accept.to(torch.long)
+                tried = torch.where(accept, 0, tried)
+        self.emission.impossible += int((depth != n).sum())  # the reported path left the walk
+        strata = torch.where(tried > 0, depth * SIBLINGS + tried.clamp(max=SIBLINGS - 1), BONUS + depth)
+        v, bad = pit(law, out.next_token, self._u(r))
+        self.emission.values.append(v)
+        self.emission.strata.append(strata)
+        self.emission.impossible += int(bad.sum())
+        self._event(v, torch.ones(r, dtype=torch.bool), last, events)
+        return law
+
+    def _event(self, v: Tensor, live: Tensor, last: Tensor, events: Tensor) -> None:
+        """One more event of the walk for the ``live`` rows: pair its PIT with the row's previous
+        one, stratified by the previous event's index (known before either was drawn)."""
+        both = live & ~torch.isnan(last)
+        if bool(both.any()):
+            self.walk_pairs.append(torch.stack([last[both], v[both]], 1))
+            self.walk_strata.append((events[both] - 1).clamp(max=WALK_STRATA - 1))
+        last[live] = v[live].to(torch.float64)
+        events[live] += 1
 
     # -- results -------------------------------------------------------------------------------
 
@@ -157,8 +215,11 @@ class RoundRecorder:
         if self.law_declared:
             prob = torch.cat(self.accept_prob) if self.accept_prob else torch.zeros(0)
             hit = torch.cat(self.accepted) if self.accepted else torch.zeros(0, dtype=torch.bool)
-            out["acceptance"] = bernoulli_fit(prob, hit)
+            sib = torch.cat(self.sibling) if self.sibling else torch.zeros(0, dtype=torch.long)
+            out["acceptance"] = bernoulli_fit(prob, hit, strata=sib)
             out["emission"] = self.emission.fit()
+            out["walk pairs"] = (square_fit(torch.cat(self.walk_pairs), torch.cat(self.walk_strata)) if self.walk_pairs
+                                 else square_fit(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)))
         return out
 
 
@@ -186,5 +247,5 @@ class _ObservedVerifier:
         tree = {} if parents is None else {"parents": parents}
         out = self._inner.verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, **tree)
         self._recorder.on_verify(self._inner, target_logits, draft_tokens, draft_probs, lengths, sampling, out,
-                                 tree=parents is not None)
+                                 parents=parents)
         return out

@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["DETECT", "FitResult", "bernoulli_fit", "pair_fit", "chi2_isf", "chi2_sf", "detectable_tv", "goodness_of_fit",
-           "merge_cells", "noncentrality", "pit", "power", "predicted_power", "total_variation", "uniformity_fit"]
+           "merge_cells", "noncentrality", "pit", "power", "predicted_power", "square_fit", "total_variation",
+           "uniformity_fit"]
 
 MIN_EXPECTED = 5.0
 DETECT = 0.99  # the detection probability a stated minimum detectable effect refers to
@@ -236,14 +237,18 @@ def uniformity_fit(values: Tensor, strata: Tensor, impossible: int = 0, bins: in
     return FitResult(n, cells, statistic, max(df, 1), p_value, dev / (2 * n), impossible)
 
 
-def bernoulli_fit(prob: Tensor, outcome: Tensor, bins: int = 10) -> FitResult:
+def bernoulli_fit(prob: Tensor, outcome: Tensor, bins: int | None = None, strata: Tensor | None = None) -> FitResult:
     """Test that events ``outcome`` ``[M]`` (bool) happen with the declared ``prob`` ``[M]``.
 
     An event that happens at probability 0, or fails at probability 1, is impossible.  The rest
-    are binned by probability; each bin with Σ a(1 − a) ≥ 2.5 contributes one z², the others are
-    pooled into one more bin when that pool is large enough.  The TV reported is the mean
-    |observed − declared| acceptance rate, and a shift t of every probability gives
-    λ = t²·Σ_b n_b² / V_b — the information of the test."""
+    are binned by probability — within each stratum when ``strata`` ``[M]`` are given (a tree's
+    sibling index, so that a rule broken for the third sibling only is not diluted by the
+    first); each bin with Σ a(1 − a) ≥ 2.5 contributes one z², the others are pooled into one
+    more bin when that pool is large enough.  The TV reported is the mean |observed − declared|
+    acceptance rate.  A shift t of every probability of one stratum gives λ = t²·Σ_b n_b² / V_b
+    over that stratum's bins; the information of the test is the smallest of those (the
+    stratum a bug would be hardest to see in).  ``bins`` per stratum: 10 without strata, 4 with
+    them (fewer degrees of freedom for the same information)."""
     a = prob.to(torch.float64).clamp(0.0, 1.0)
     hit = outcome.to(torch.bool)
     impossible = int(((a <= 0) & hit).sum() + ((a >= 1) & ~hit).sum())
@@ -252,22 +257,42 @@ def bernoulli_fit(prob: Tensor, outcome: Tensor, bins: int = 10) -> FitResult:
     n = int(a.numel())
     if n == 0:
         return FitResult(0, 0, 0.0, 1, 1.0, 0.0, impossible, 0.0)
-    b = (a * bins).to(torch.long).clamp(max=bins - 1)
-    obs = torch.zeros(bins, dtype=torch.float64).index_add_(0, b, hit)
-    exp = torch.zeros(bins, dtype=torch.float64).index_add_(0, b, a)
-    var = torch.zeros(bins, dtype=torch.float64).index_add_(0, b, a * (1 - a))
-    cnt = torch.bincount(b, minlength=bins).to(torch.float64)
+    bins = bins or (10 if strata is None else 4)
+    layer = torch.zeros_like(a, dtype=torch.long) if strata is None else torch.unique(
+        strata.to(torch.long)[live], return_inverse=True)[1]
+    cells = int(layer.max()) + 1
+    b = layer * bins + (a * bins).to(torch.long).clamp(max=bins - 1)
+    size = cells * bins
+    obs = torch.zeros(size, dtype=torch.float64).index_add_(0, b, hit)
+    exp = torch.zeros(size, dtype=torch.float64).index_add_(0, b, a)
+    var = torch.zeros(size, dtype=torch.float64).index_add_(0, b, a * (1 - a))
+    cnt = torch.bincount(b, minlength=size).to(torch.float64)
+    of = torch.arange(size) // bins  # each bin's stratum
     keep = var >= 2.5
     rest = ~keep & (cnt > 0)
-    o, e, v, c = obs[keep], exp[keep], var[keep], cnt[keep]
+    o, e, v, c, s = obs[keep], exp[keep], var[keep], cnt[keep], of[keep]
     if bool(rest.any()) and float(var[rest].sum()) >= 2.5:
-        o, e, v, c = (torch.cat([t, s[rest].sum().reshape(1)]) for t, s in ((o, obs), (e, exp), (v, var), (c, cnt)))
+        # the pool's shift counts for no single stratum: it carries a stratum of its own
+        o, e, v, c = (torch.cat([t, u[rest].sum().reshape(1)]) for t, u in ((o, obs), (e, exp), (v, var), (c, cnt)))
+        s = torch.cat([s, torch.tensor([cells])])
     if v.numel() == 0:
         return FitResult(n, 0, 0.0, 1, 1.0, 0.0, impossible, 0.0)
     statistic = float(((o - e) ** 2 / v).sum())
     df = int(v.numel())
-    return FitResult(n, df, statistic, df, chi2_sf(statistic, df), float((o - e).abs().sum()) / n, impossible,
-                     float((c ** 2 / v).sum()))
+    per_stratum = torch.zeros(cells + 1, dtype=torch.float64).index_add_(0, s, c ** 2 / v)[:cells]
+    seen = per_stratum[per_stratum > 0]
+    info = float(seen.min()) if seen.numel() else 0.0
+    return FitResult(n, df, statistic, df, chi2_sf(statistic, df), float((o - e).abs().sum()) / n, impossible, info)
+
+
+def square_fit(pairs: Tensor, strata: Tensor, side: int = 4) -> FitResult:
+    """Test that ``pairs`` ``[M, 2]`` of PIT values are independent uniforms on the unit square,
+    whatever the dependence: ``(⌊side·v₁⌋ + v₂)/side`` is U[0, 1) exactly when v₂ is uniform
+    within every column of v₁, and :func:`uniformity_fit`'s side² bins (per stratum) are then the
+    cells of a side × side grid.  (:func:`pair_fit` looks only at |v₁ − v₂|, where shared random
+    numbers show; this one sees any joint law that is not the product.)"""
+    v1, v2 = pairs[:, 0].to(torch.float64), pairs[:, 1].to(torch.float64)
+    return uniformity_fit(((v1 * side).floor().clamp(max=side - 1) + v2) / side, strata, bins=side * side)
 
 
 def detectable_tv(fit: FitResult, alpha: float, screen: float | None = None, factor: int = 10,

@@ -21,7 +21,12 @@ from specforge_conformance.combos import Combination
 from specforge_conformance.exact import FAMILIES
 from specforge_conformance.harness import Case
 
-__all__ = ["case_strategy", "draw_cases", "params_strategy"]
+__all__ = ["CANDIDATES", "case_strategy", "draw_cases", "informative_cases", "params_strategy"]
+
+# Drawn cases piloted per combination case, so that one in which verification happens is found
+# (a scheduler's threshold above every confidence, a step curve that admits no draft at this
+# batch size or temperature verify nothing, and certify nothing).
+CANDIDATES = 6
 
 # The first entry of each list is what hypothesis's simplest example uses.  T = 0 is not drawn
 # (except for greedy-only verifiers): a point mass is a vacuous statistical case, and every
@@ -99,3 +104,24 @@ def draw_cases(strategy: st.SearchStrategy[Case], count: int, key: str) -> list[
         if case not in unique:
             unique.append(case)
     return unique[:count]
+
+
+def informative_cases(candidates: list[Case], count: int, host: PluginHost) -> list[Case]:
+    """``count`` of ``candidates`` (in draw order) in which verification happens, by a short pilot
+    run each (:func:`~specforge_conformance.harness.informative`); where too few are, the rest are
+    those that verified the largest share — the run then says whether they verified anything."""
+    from specforge_conformance.harness import informative, pilot, shares
+
+    if len(candidates) <= count:
+        return candidates
+    chosen, scored = [], []
+    for case in candidates:
+        result = pilot(case, host)
+        if informative(result):
+            chosen.append(case)
+            if len(chosen) == count:
+                return chosen
+        else:
+            scored.append((shares(result)[0] if result.accepted else 0.0, case))
+    scored.sort(key=lambda t: -t[0])  # stable: draw order among equals
+    return chosen + [case for _, case in scored[:count - len(chosen)]]

@@ -34,8 +34,8 @@ from specforge_conformance import probes
 from specforge_conformance.combos import Combination, certification_blocker, combinations, covering_set
 from specforge_conformance.deterministic import Check, component_checks, deterministic_checks
 from specforge_conformance.fingerprint import code_fingerprint
-from specforge_conformance.harness import STATISTICS, Case, CaseResult, check_case
-from specforge_conformance.strategies import case_strategy, draw_cases
+from specforge_conformance.harness import MIN_VERIFIED, STATISTICS, Case, CaseResult, check_case, informative, shares
+from specforge_conformance.strategies import CANDIDATES, case_strategy, draw_cases, informative_cases
 
 __all__ = ["TIERS", "ComboReport", "SuiteReport", "Tier", "run_suite", "suite_host"]
 
@@ -74,7 +74,7 @@ def suite_host(host: PluginHost | None = None) -> PluginHost:
 @dataclass
 class ComboReport:
     combination: Combination
-    status: str  # certified | failed | lossy | not-certifiable | error | not run
+    status: str  # certified | failed | lossy | not-certifiable | not exercised | error | not run
     reason: str = ""
     results: list[CaseResult] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
@@ -87,7 +87,7 @@ class ComboReport:
 
     @property
     def ok(self) -> bool:
-        return self.status in ("certified", "not-certifiable", "lossy")
+        return self.status in ("certified", "not-certifiable", "lossy", "not exercised")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -137,29 +137,31 @@ class SuiteReport:
         effect over the cases that tested that kind — what this run could not have missed."""
         out: dict[str, dict[str, float]] = {}
         for c in self.combos:
-            kinds = [c.role] if c.role else ["pipeline"]
             for r in c.results:
+                # a tree walk's statistics are stated apart from a chain's: other rounds, other power
+                kind = (c.role or "pipeline") + (" (trees)" if r.trees else "")
                 for stat, t in r.detectable().items():
-                    for kind in kinds:
-                        if math.isfinite(t):
-                            book = out.setdefault(kind, {})
-                            book[stat] = max(book.get(stat, 0.0), t)
+                    if math.isfinite(t):
+                        book = out.setdefault(kind, {})
+                        book[stat] = max(book.get(stat, 0.0), t)
         return out
 
     def table(self) -> str:
         """A plain-text table, one line per combination or probe; then the minimum detectable
         effects per kind."""
-        rows = [("combination", "status", "N", "τ", "min p (statistic)", "MDE seq", "checks")]
+        rows = [("combination", "status", "N", "τ", "verified", "accepted", "min p (statistic)", "MDE seq", "checks")]
         for c in self.combos:
             if c.results:
                 n = max(r.case.n for r in c.results)
                 worst = min(c.results, key=lambda r: r.min_p)
                 stat = min(worst.tests, key=lambda k: worst.tests[k].p_value) if worst.tests else "sequence"
                 tau = sum(r.tau for r in c.results) / len(c.results)
+                verified, accepted = (sum(s) / len(c.results) for s in zip(*(shares(r) for r in c.results)))
                 mde = max(r.detectable().get("sequence", math.inf) for r in c.results)
-                stats = (f"{n:,}", f"{tau:.2f}", f"{worst.min_p:.3g} ({stat})", f"{mde:.3f}")
+                stats = (f"{n:,}", f"{tau:.2f}", "-" if c.combination.plain else f"{verified:.0%}",
+                         "-" if c.combination.plain else f"{accepted:.0%}", f"{worst.min_p:.3g} ({stat})", f"{mde:.3f}")
             else:
-                stats = ("-", "-", "-", "-")
+                stats = ("-",) * 6
             checks = "ok" if c.checks and all(k.passed for k in c.checks) else (
                 "-" if not c.checks else "FAIL: " + ", ".join(k.name for k in c.checks if not k.passed))
             rows.append((c.title, c.status, *stats, checks))
@@ -286,8 +288,9 @@ def run_suite(host: PluginHost | None = None, tier: str = "fast", plugins: Itera
     else:
         jobs_stop = ""
     for combo in chosen:
-        cases = draw_cases(case_strategy(host, combo, n or spec.size(None)), spec.cases_per_combination,
-                           f"{seed}:{combo.label()}")
+        drawn = draw_cases(case_strategy(host, combo, n or spec.size(None)),
+                           spec.cases_per_combination + (0 if combo.plain else CANDIDATES), f"{seed}:{combo.label()}")
+        cases = drawn if combo.plain else informative_cases(drawn, spec.cases_per_combination, host)
         jobs.append(_Job(ComboReport(combo, "certified"), cases, deterministic and not combo.plain))
     total = sum(len(j.cases) for j in jobs)
     per_case = alpha / max(total, 1)
@@ -314,12 +317,22 @@ def run_suite(host: PluginHost | None = None, tier: str = "fast", plugins: Itera
                 report.status, report.reason = "failed", _failure(failed)
             elif bad_checks:
                 report.status, report.reason = "failed", "; ".join(f"{k.name}: {k.detail}" for k in bad_checks)
+            elif not report.combination.plain and not any(informative(r) for r in report.results):
+                report.status, report.reason = "not exercised", _idle(report.results)
         if fail_fast and report.status in ("failed", "error"):
             stop = f"--fail-fast: stopped after {report.title} failed"
         elif max_seconds is not None and time.perf_counter() - start > max_seconds:
             stop = f"--max-seconds {max_seconds:g} spent"
     return SuiteReport(tier, alpha, [j.report for j in jobs] + untested, component_results,
                        time.perf_counter() - start, seed, n)
+
+
+def _idle(results: list[CaseResult]) -> str:
+    """Why a combination's cases certify nothing: how little of what was drafted was verified."""
+    parts = [f"verified {v:.0%} and accepted {a:.0%} of {r.drafted:,} drafted tokens (τ {r.tau:.2f})"
+             for r in results for v, a in [shares(r)]]
+    return ("no case verifies enough to test the components that verification exercises (" + "; ".join(parts)
+            + f"; informative: ≥ {MIN_VERIFIED:.0%} verified and some accepted)")
 
 
 def _failure(failed: list[CaseResult]) -> str:

@@ -141,9 +141,12 @@ def test_calibrator_causality(xhost):
 def test_probe_cases_reach_their_mechanism(chost):
     """Each probe case is sized by the power calculation and leaves room for a whole block."""
     verifier = probes.probe_cases(chost, ComponentKind.VERIFIER, "rejection", 20_000)
-    assert len(verifier) == 2 and all(c.horizon == 4 and c.vocab == 8 for c in verifier)
+    assert len(verifier) == 3 and all(c.horizon == 4 and c.vocab == 8 for c in verifier)
     assert verifier[0].pipeline["drafter"][1]["spike"] > 0
-    assert verifier[1].pipeline["drafter"][0] == "random-tree" and verifier[1].n == 10_000  # it verifies trees
+    # it verifies trees: the top-k tree of the target's law at full N, the iid one at half
+    top, iid = verifier[1:]
+    assert top.pipeline["drafter"] == ("random-tree", {"branching": [4, 2], "children": "top", "source": "target"})
+    assert top.n == 20_000 and iid.pipeline["drafter"][0] == "random-tree" and iid.n == 10_000
     assert not probes.probe_cases(chost, ComponentKind.VERIFIER, "typical", 20_000)  # lossy
     scheduler = probes.probe_cases(chost, ComponentKind.SCHEDULER, "threshold", 20_000)
     assert scheduler[0].pipeline["confidence"][0] == "probe-prev"
