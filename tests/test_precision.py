@@ -55,6 +55,9 @@ def test_auto_picks_per_pass_size_and_runs_each_pass_in_its_band(tiny_dir, cache
     assert plan.bands == ((1, "bfloat16"), (3, "float32")) and plan.measured
     assert plan.primary == "float32" and target.dtype == torch.float32
     assert set(target.runtimes) == {"bfloat16", "float32"} and target.runtime is target.runtimes["float32"]
+    # the runtimes the measurement built are kept, and a drafter trains against their tensors:
+    # none may be an inference tensor (autograd cannot save one for backward)
+    assert not any(torch.is_inference(t) for r in target.runtimes.values() for t in (r.lm_head, r.embed, r.norm))
     assert target.precision_label == "bfloat16@1-2,float32@3+"
     # one log line says what was picked and why, and what was not tried
     assert any(line.startswith("target precision (auto") and "bfloat16 for passes of 1-2 rows" in line

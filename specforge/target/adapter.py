@@ -131,7 +131,11 @@ class TargetModel:
 
         def build(precision: str) -> Transformer:
             if precision not in built:
-                runtime = build_runtime(args, hf_model, precision, gguf)
+                # Built outside inference mode even when the measurement (which runs in it) asks
+                # first: the runtimes it builds are kept, and a drafter trained on them saves the
+                # shared LM head for its backward pass, which an inference tensor cannot be.
+                with torch.inference_mode(False):
+                    runtime = build_runtime(args, hf_model, precision, gguf)
                 runtime.kv_dtype = kv_dtype
                 built[precision] = runtime
             return built[precision]
