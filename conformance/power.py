@@ -52,7 +52,7 @@ def control_case(name: str, n: int | None = None, seed: int = 0, host: PluginHos
         host = host or control_host()
         cases = probes.probe_cases(host, kind, name, n or TIERS["fast"].size(kind))
         # a tree verifier's bug lives in its tree probe (the one whose drafter proposes trees)
-        trees = host.get(kind, name).metadata.trees
+        trees = kind is ComponentKind.VERIFIER and host.get(kind, name).metadata.trees
         case = next((c for c in cases if trees and host.get(ComponentKind.DRAFTER, c.pipeline["drafter"][0])
                      .metadata.trees), cases[0])
         pipeline = {**case.pipeline, kind.value: (name, params)}

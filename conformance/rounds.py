@@ -12,11 +12,15 @@ few numbers per slot (never the tensors):
   that depends on x_k itself (a confidence that reads the token, a scheduler or calibrator that
   reads a later slot, whose confidence depends on x_k) makes verified tokens follow another law
   than q_k (paper Appendix A);
-* **acceptance** and **emission** — for a verifier that declares its per-position law
-  (``accept_probability`` and ``residual``, docs/reference/contracts.md), whether ``verify``
-  realises it: each reached slot is accepted with probability a(x_k), and the emitted token
-  follows the residual at the first rejection (stratified by its position) or the target at the
-  bonus row (stratified by ℓ);
+* **acceptance**, **emission** and **walk pairs** — for a verifier that declares its per-position
+  law (``accept_probability`` and ``residual``, docs/reference/contracts.md), whether ``verify``
+  realises it, on chains and token trees alike (a chain is the tree whose slot k hangs under slot
+  k − 1): the walk is replayed along the path the verifier reports; each node it reaches is
+  accepted with the declared probability on the law left by the siblings rejected before it
+  (stratified by sibling index), the emitted token follows the law the walk ends with (the
+  residual after the last rejected sibling, or the target at the bonus row; stratified by depth
+  and rejected siblings), and consecutive events of one walk are independent (their randomised
+  PITs uniform on the unit square);
 * **cross-request** — the transforms of two neighbouring requests' draws in the same round
   (their k-th draft tokens, their emitted tokens), taken in id order — the order an inverse-CDF
   sampler uses, so that each tracks the uniform it was drawn with — must be independent:
@@ -57,13 +61,15 @@ class _Stream:
         self.strata: list[Tensor] = []
         self.impossible = 0
 
-    def add(self, law: Tensor, x: Tensor, strata: Tensor, u: Tensor) -> None:
+    def add(self, law: Tensor, x: Tensor, strata: Tensor, u: Tensor) -> Tensor:
+        """Record the PITs of ``x`` under ``law`` and return them."""
         if x.numel() == 0:
-            return
+            return torch.zeros(0, dtype=torch.float64)
         v, bad = pit(law, x, u)
         self.values.append(v)
         self.strata.append(strata)
         self.impossible += int(bad.sum())
+        return v
 
     def fit(self) -> FitResult:
         if not self.values:
@@ -184,11 +190,9 @@ class RoundRecorder:
                 tried = torch.where(accept, 0, tried)
         self.emission.impossible += int((depth != n).sum())  # the reported path left the walk
         strata = torch.where(tried > 0, depth * SIBLINGS + tried.clamp(max=SIBLINGS - 1), BONUS + depth)
-        v, bad = pit(law, out.next_token, self._u(r))
-        self.emission.values.append(v)
-        self.emission.strata.append(strata)
-        self.emission.impossible += int(bad.sum())
-        self._event(v, torch.ones(r, dtype=torch.bool), last, events)
+        v = self.emission.add(law, out.next_token, strata, self._u(r))
+        if r:
+            self._event(v, torch.ones(r, dtype=torch.bool), last, events)
         return law
 
     def _event(self, v: Tensor, live: Tensor, last: Tensor, events: Tensor) -> None:

@@ -13,8 +13,11 @@ The mechanism statistics (docs/conformance.md#what-each-statistic-sees) are chi-
   draft law q_k a drafter reports, the residual a verifier declares) has a randomised probability
   integral transform that is exactly U[0, 1), whatever the rows are; its histogram, per stratum
   (position, rejection position), is tested against the flat one;
-* :func:`bernoulli_fit` — acceptance events with declared probabilities a_i: per bin of a,
-  (Σ accepted − Σ a)² / Σ a(1 − a), summed, is χ² with one degree of freedom per bin.
+* :func:`bernoulli_fit` — acceptance events with declared probabilities a_i: per bin of a (and
+  stratum: a tree's sibling index), (Σ accepted − Σ a)² / Σ a(1 − a), summed, is χ² with one
+  degree of freedom per bin;
+* :func:`pair_fit` / :func:`square_fit` — pairs of PITs that must be independent uniforms: their
+  distance (shared random numbers), or their cell on a grid of the unit square (any dependence).
 
 Every :class:`FitResult` carries its *information* I: a deviation of size t (total variation on
 the test's cells, or the acceptance-probability shift of :func:`bernoulli_fit`) gives the test a
