@@ -337,7 +337,7 @@ SUBTLE: dict[str, tuple[ComponentKind, dict]] = {
 }
 # The statistic each subtle control is meant to be caught by.
 CLAIMS = {"cool-drafter": "draft law", "residual-off-by-one": "emission", "over-accept": "acceptance",
-          "batch-shared": "cross-request", "peek-next": "selection", "tree-sibling-echo": "walk pairs",
+          "batch-shared": "cross-request", "peek-next": "selection", "tree-sibling-echo": "acceptance",
           "tree-late-sibling": "acceptance", "tree-leaky-residual": "emission"}
 
 

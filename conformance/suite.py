@@ -259,6 +259,11 @@ class _Job:
     report: ComboReport
     cases: list[Case]
     pipeline_checks: bool  # run the deterministic checks of the pipeline of cases[0]
+    keep: int | None = None  # choose this many informative cases among ``cases`` first (a pilot run each)
+
+    @property
+    def size(self) -> int:
+        return len(self.cases) if self.keep is None else min(self.keep, len(self.cases))
 
 
 def run_suite(host: PluginHost | None = None, tier: str = "fast", plugins: Iterable[str] = (),
@@ -290,9 +295,9 @@ def run_suite(host: PluginHost | None = None, tier: str = "fast", plugins: Itera
     for combo in chosen:
         drawn = draw_cases(case_strategy(host, combo, n or spec.size(None)),
                            spec.cases_per_combination + (0 if combo.plain else CANDIDATES), f"{seed}:{combo.label()}")
-        cases = drawn if combo.plain else informative_cases(drawn, spec.cases_per_combination, host)
-        jobs.append(_Job(ComboReport(combo, "certified"), cases, deterministic and not combo.plain))
-    total = sum(len(j.cases) for j in jobs)
+        jobs.append(_Job(ComboReport(combo, "certified"), drawn, deterministic and not combo.plain,
+                         None if combo.plain else spec.cases_per_combination))
+    total = sum(j.size for j in jobs)
     per_case = alpha / max(total, 1)
     bar = _progress(total, progress)
     stop = jobs_stop
@@ -302,6 +307,8 @@ def run_suite(host: PluginHost | None = None, tier: str = "fast", plugins: Itera
             report.status, report.reason = "not run", stop
             continue
         try:
+            if job.keep is not None:  # the pilots run the plug-ins too: a broken one is reported here
+                job.cases = informative_cases(job.cases, job.keep, host)
             for case in job.cases:
                 result = check_case(case, host, per_case)
                 report.results.append(result)
