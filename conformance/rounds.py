@@ -227,26 +227,34 @@ class RoundRecorder:
         return out
 
 
-class _ObservedDrafter:
+class _Observer:
+    """Passes everything to the plug-in it wraps.  Its public methods are also bound on the
+    observer itself: from Python 3.12 on, ``isinstance`` against a runtime-checkable protocol
+    (the optional methods of :mod:`specforge.protocols`: ``bind``, ``release``, …) looks them
+    up statically, past ``__getattr__``, and would find none — the engine would then never bind
+    the wrapped drafter."""
+
     def __init__(self, inner: Any, recorder: RoundRecorder) -> None:
         self._inner, self._recorder = inner, recorder
+        for name in dir(inner):
+            if name.startswith("_") or name in type(self).__dict__:
+                continue
+            value = getattr(inner, name, None)
+            if callable(value) and not isinstance(value, type):
+                self.__dict__[name] = value
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+
+class _ObservedDrafter(_Observer):
     def draft(self, ctx):
         block = self._inner.draft(ctx)
         self._recorder.on_draft(block, ctx)
         return block
 
 
-class _ObservedVerifier:
-    def __init__(self, inner: Any, recorder: RoundRecorder) -> None:
-        self._inner, self._recorder = inner, recorder
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
+class _ObservedVerifier(_Observer):
     def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, parents=None):
         tree = {} if parents is None else {"parents": parents}
         out = self._inner.verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, **tree)

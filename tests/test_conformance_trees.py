@@ -169,3 +169,18 @@ def test_a_case_that_verifies_nothing_is_passed_over_for_one_that_verifies():
     assert informative_cases([idle, busy], 1, host) == [busy]
     # none informative: the one that verified most, in draw order among equals
     assert informative_cases([idle, idle], 1, host) == [idle]
+
+
+def test_the_round_observers_satisfy_the_optional_protocols_statically():
+    """Python ≥ 3.12 checks runtime protocols with ``inspect.getattr_static``: an observer that
+    only forwards through ``__getattr__`` would hide ``bind`` from the engine."""
+    import inspect
+
+    from specforge.protocols import Binds
+    from specforge_conformance.drafters import RandomDrafter
+
+    drafter, verifier = RoundRecorder(0).wrap(RandomDrafter(), RejectionVerifier())
+    assert isinstance(drafter, Binds)
+    assert inspect.getattr_static(drafter, "bind") and inspect.getattr_static(drafter, "release")
+    assert inspect.getattr_static(verifier, "accept_probability")
+    assert drafter.gamma == RandomDrafter().gamma  # plain attributes still come from the plug-in
