@@ -43,7 +43,10 @@ from specforge_conformance.stats import FitResult, bernoulli_fit, pair_fit, pit,
 __all__ = ["RoundRecorder", "declares_law"]
 
 BONUS = 1000  # emission strata: depth·SIBLINGS + rejected siblings there, or BONUS + depth for a bonus token
-SIBLINGS = 4  # sibling indices (and counts of rejected siblings) kept apart; more share the last stratum
+SIBLINGS = 4  # counts of rejected siblings kept apart in emission strata; more share the last one
+# acceptance strata: the first child tried, the second, the third and later together (a tree
+# reaches its fourth child rarely, and a stratum of its own would be the weakest by far)
+SIBLING_STRATA = 3
 WALK_STRATA = 4  # walk-pair strata: the index of the pair's first event, the last one shared
 EMITTED = -1  # cross-request stratum of emitted tokens (draft tokens: their slot k)
 
@@ -177,7 +180,7 @@ class RoundRecorder:
             reject = child & ~accept
             self.accept_prob.append(a[child])
             self.accepted.append(accept[child])
-            self.sibling.append(tried[child].clamp(max=SIBLINGS - 1))
+            self.sibling.append(tried[child].clamp(max=SIBLING_STRATA - 1))
             w = self._u(r)
             self._event(torch.where(accept, a * w, a + (1 - a) * w), child, last, events)
             if bool(reject.any()):

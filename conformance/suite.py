@@ -133,17 +133,28 @@ class SuiteReport:
         }
 
     def detectable_by_kind(self) -> dict[str, dict[str, float]]:
-        """Per component kind under test and statistic, the largest (worst) minimum detectable
-        effect over the cases that tested that kind — what this run could not have missed."""
-        out: dict[str, dict[str, float]] = {}
+        """Per component kind under test and statistic, what this run could not have missed.
+
+        A component's own probe cases all run that component, so a deviation it makes in all of
+        them is caught by the most sensitive one: its minimum detectable effect is the smallest
+        over its cases; the kind's is the largest (worst) over its components.  Each combination
+        of the covering set stands for itself (``pipeline``: the worst over them).  A tree walk's
+        statistics are stated apart from a chain's (``verifier (trees)``): other rounds, other
+        power."""
+        per_row: dict[tuple[str, str], dict[str, float]] = {}
         for c in self.combos:
             for r in c.results:
-                # a tree walk's statistics are stated apart from a chain's: other rounds, other power
                 kind = (c.role or "pipeline") + (" (trees)" if r.trees else "")
+                key = (kind, c.title if c.role else f"{c.title} #{id(r)}")
+                book = per_row.setdefault(key, {})
                 for stat, t in r.detectable().items():
                     if math.isfinite(t):
-                        book = out.setdefault(kind, {})
-                        book[stat] = max(book.get(stat, 0.0), t)
+                        book[stat] = min(book.get(stat, math.inf), t)
+        out: dict[str, dict[str, float]] = {}
+        for (kind, _), book in per_row.items():
+            worst = out.setdefault(kind, {})
+            for stat, t in book.items():
+                worst[stat] = max(worst.get(stat, 0.0), t)
         return out
 
     def table(self) -> str:

@@ -64,7 +64,7 @@ def test_each_sibling_is_declared_against_the_residual_its_elders_left():
     recorder.on_verify(verifier, logits, tokens, probs, lengths, SamplingParams.uniform(len(lengths)), out, parents=parents)
     torch.testing.assert_close(torch.cat(recorder.accept_prob), EXACT.double(), rtol=0, atol=1e-6)
     assert torch.cat(recorder.accepted).tolist() == [False, False, True]
-    assert torch.cat(recorder.sibling).tolist() == [0, 1, 2]
+    assert torch.cat(recorder.sibling).tolist() == [0, 1, 2]  # (a fourth would share stratum 2)
     assert recorder.emission.impossible == 0
     # Emitted after the third child, a bonus token at depth 1: its stratum says so.
     assert recorder.emission.strata[0].tolist() == [1000 + 1]
