@@ -160,7 +160,9 @@ def probe_cases(host: PluginHost, kind: ComponentKind, name: str, n: int, seed: 
         spiky = Case(pipeline=_pipeline(drafter=_SPIKY, verifier=mine), batch=256)
         cases = [spiky]
         if meta.trees:  # and its walk over trees: rejected siblings, residual updates, subtrees
-            cases += [Case(pipeline=_pipeline(drafter=tree, verifier=mine), batch=64) for tree in _TREES]
+            # (at T = 0 — a greedy-only verifier — every decision is certain: one tree suffices)
+            trees = _TREES[:1] if meta.greedy_only else _TREES
+            cases += [Case(pipeline=_pipeline(drafter=tree, verifier=mine), batch=64) for tree in trees]
         if meta.greedy_only:
             cases = [replace(c, temperature=0.0) for c in cases]
         # the top-k tree at the chain case's N (its decisions carry the information), the iid
