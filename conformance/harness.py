@@ -38,8 +38,8 @@ from specforge_conformance.exact import ExactLaw, ReferenceSpec, exact_law, refe
 from specforge_conformance.rounds import RoundRecorder
 from specforge_conformance.stats import FitResult, detectable_tv, goodness_of_fit
 
-__all__ = ["MIN_VERIFIED", "STATISTICS", "Case", "CaseResult", "check_case", "informative", "pilot", "run_case",
-           "shares"]
+__all__ = ["MIN_TAU", "MIN_VERIFIED", "STATISTICS", "Case", "CaseResult", "check_case", "exercised", "informative",
+           "pilot", "run_case", "shares"]
 
 RERUN_FACTOR = 10
 SCREEN = 1e-3  # a statistic with p below this at N is measured again at 10·N
@@ -237,9 +237,12 @@ def run_case(case: Case, host: PluginHost, law: ExactLaw | None = None, alpha: f
 
 
 # A case is *informative* when verification happens in it: a substantial share of its drafted
-# tokens is verified and some are accepted (τ > 1).  A case that verifies nothing tests the plain
-# path only, whatever the combination's components are.
+# tokens is verified and some are accepted (τ > 1) — what the suite looks for among a
+# combination's draws.  A case is *exercised* at all when τ shows above 1.00: one that verifies
+# (almost) nothing tests the plain path only, whatever the combination's components are.  (A
+# global budget verifies few of a large batch's drafts and still exercises verification.)
 MIN_VERIFIED = 0.25
+MIN_TAU = 1.005
 PILOT = 160
 
 
@@ -251,6 +254,10 @@ def shares(result: CaseResult) -> tuple[float, float]:
 
 def informative(result: CaseResult) -> bool:
     return shares(result)[0] >= MIN_VERIFIED and result.accepted > 0
+
+
+def exercised(result: CaseResult) -> bool:
+    return result.verified > 0 and result.tau >= MIN_TAU
 
 
 def pilot(case: Case, host: PluginHost, n: int = PILOT) -> CaseResult:

@@ -34,7 +34,7 @@ from specforge_conformance import probes
 from specforge_conformance.combos import Combination, certification_blocker, combinations, covering_set
 from specforge_conformance.deterministic import Check, component_checks, deterministic_checks
 from specforge_conformance.fingerprint import code_fingerprint
-from specforge_conformance.harness import MIN_VERIFIED, STATISTICS, Case, CaseResult, check_case, informative, shares
+from specforge_conformance.harness import MIN_TAU, STATISTICS, Case, CaseResult, check_case, exercised, shares
 from specforge_conformance.strategies import CANDIDATES, case_strategy, draw_cases, informative_cases
 
 __all__ = ["TIERS", "ComboReport", "SuiteReport", "Tier", "run_suite", "suite_host"]
@@ -335,7 +335,7 @@ def run_suite(host: PluginHost | None = None, tier: str = "fast", plugins: Itera
                 report.status, report.reason = "failed", _failure(failed)
             elif bad_checks:
                 report.status, report.reason = "failed", "; ".join(f"{k.name}: {k.detail}" for k in bad_checks)
-            elif not report.combination.plain and not any(informative(r) for r in report.results):
+            elif not report.combination.plain and not any(exercised(r) for r in report.results):
                 report.status, report.reason = "not exercised", _idle(report.results)
         if fail_fast and report.status in ("failed", "error"):
             stop = f"--fail-fast: stopped after {report.title} failed"
@@ -350,7 +350,7 @@ def _idle(results: list[CaseResult]) -> str:
     parts = [f"verified {v:.0%} and accepted {a:.0%} of {r.drafted:,} drafted tokens (τ {r.tau:.2f})"
              for r in results for v, a in [shares(r)]]
     return ("no case verifies enough to test the components that verification exercises (" + "; ".join(parts)
-            + f"; informative: ≥ {MIN_VERIFIED:.0%} verified and some accepted)")
+            + f"; exercised: some verified and τ ≥ {MIN_TAU})")
 
 
 def _failure(failed: list[CaseResult]) -> str:

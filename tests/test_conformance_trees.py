@@ -157,7 +157,7 @@ def _case(scheduler: tuple[str, dict]):
 
 
 def test_a_case_that_verifies_nothing_is_passed_over_for_one_that_verifies():
-    from specforge_conformance.harness import informative, pilot, shares
+    from specforge_conformance.harness import exercised, informative, pilot, shares
     from specforge_conformance.strategies import informative_cases
     from specforge_conformance.suite import suite_host
 
@@ -165,7 +165,8 @@ def test_a_case_that_verifies_nothing_is_passed_over_for_one_that_verifies():
     idle, busy = _case(("threshold", {"theta": 0.9})), _case(("fixed", {}))
     idle_run, busy_run = pilot(idle, host), pilot(busy, host)
     assert shares(idle_run) == (0.0, 0.0) and idle_run.drafted > 0 and not informative(idle_run)
-    assert shares(busy_run)[0] == 1.0 and informative(busy_run)
+    assert not exercised(idle_run) and idle_run.tau == 1.0
+    assert shares(busy_run)[0] == 1.0 and informative(busy_run) and exercised(busy_run)
     assert informative_cases([idle, busy], 1, host) == [busy]
     # none informative: the one that verified most, in draw order among equals
     assert informative_cases([idle, idle], 1, host) == [idle]
