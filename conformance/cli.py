@@ -4,8 +4,9 @@ The command reaches the CLI like any plug-in's, through the ``specforge`` entry-
 :func:`~specforge.hookspecs.specforge_register_commands`; this module stays cheap to import
 (the suite itself is imported when the command runs).
 
-Exit status 0 when every tested combination is certified (and, with ``--controls``, every control
-is rejected on every seed), 1 otherwise.
+Exit status 0 when no tested combination failed — each is certified, or listed as lossy, not
+certifiable or not exercised (its cases verified nothing) — and, with ``--controls``, every
+control is rejected on every seed; 1 otherwise.
 """
 
 from __future__ import annotations
