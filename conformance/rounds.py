@@ -32,6 +32,7 @@ the transform of a draw under the very law it was drawn from, given everything b
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -239,12 +240,12 @@ class _Observer:
 
     def __init__(self, inner: Any, recorder: RoundRecorder) -> None:
         self._inner, self._recorder = inner, recorder
-        for name in dir(inner):
+        for name in dir(type(inner)):  # methods only: a property is not evaluated here
             if name.startswith("_") or name in type(self).__dict__:
                 continue
-            value = getattr(inner, name, None)
-            if callable(value) and not isinstance(value, type):
-                self.__dict__[name] = value
+            static = inspect.getattr_static(inner, name, None)
+            if inspect.isfunction(static) or isinstance(static, (staticmethod, classmethod)):
+                self.__dict__[name] = getattr(inner, name)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

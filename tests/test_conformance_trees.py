@@ -185,3 +185,10 @@ def test_the_round_observers_satisfy_the_optional_protocols_statically():
     assert inspect.getattr_static(drafter, "bind") and inspect.getattr_static(drafter, "release")
     assert inspect.getattr_static(verifier, "accept_probability")
     assert drafter.gamma == RandomDrafter().gamma  # plain attributes still come from the plug-in
+
+    class Lazy(RandomDrafter):
+        @property
+        def table_size(self) -> int:
+            raise RuntimeError("bind() first")
+
+    RoundRecorder(0).wrap(Lazy(), RejectionVerifier())  # a property is not evaluated by the wrapper
