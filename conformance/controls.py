@@ -16,8 +16,6 @@ kind (:mod:`specforge_conformance.probes`) and :data:`CLAIMS` names the statisti
 
 from __future__ import annotations
 
-from abc import abstractmethod
-
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
@@ -28,7 +26,7 @@ from specforge.config import DEFAULT_COMPONENTS
 from specforge.registry import ComponentKind
 from specforge.sampling import SamplingParams, sample_with_uniform
 from specforge.toolkit.admission import admission_path, global_count
-from specforge.toolkit.trees import verify_tree
+from specforge.toolkit.trees import is_child, verify_tree
 from specforge.toolkit.verification import VerifyInputs, accepted_prefix, gather_at, prepare
 from specforge_conformance.drafters import RandomDrafter, RandomDrafterConfig
 from specforge_plugins.schedulers import HardwareConfig
@@ -344,16 +342,37 @@ CLAIMS = {"cool-drafter": "draft law", "residual-off-by-one": "emission", "over-
 # --- tree verifiers ---------------------------------------------------------------------------
 
 
-class TreeStaleResidualVerifier(RejectionVerifier):
-    """Tries every sibling against the node's fresh target law: the residual is never updated
-    after a rejected sibling (and a node whose children were all rejected emits from p)."""
+class _TreeWalkControl(RejectionVerifier):
+    """The shipped tree walk (:func:`~specforge.toolkit.trees.verify_tree`) under the declared
+    rule with one ingredient changed by a subclass — the residual it goes on with after a
+    rejected sibling, the uniforms it is handed, or which nodes count as children of the current
+    one; chains are verified correctly."""
+
+    child_of = staticmethod(is_child)
+
+    def walk_residual(self, p: Tensor, q: Tensor | None, x: Tensor) -> Tensor:
+        return self.residual(p, q, x)
+
+    def walk_uniforms(self, uniforms: Tensor, parents: Tensor) -> Tensor:
+        """The uniforms the walk is handed (``[R, G+1, 2]``, a copy) given the tree's ``parents``."""
+        return uniforms
 
     def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, parents=None):
         if parents is None:
             return super().verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
         inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
-        return verify_tree(self.accept_probability, lambda p, q, x: p, self.target_probs(inputs, sampling),
-                           inputs.tokens, inputs.probs, parents.to(torch.long), inputs.lengths, inputs.uniforms)
+        parents = parents.to(torch.long)
+        return verify_tree(self.accept_probability, self.walk_residual, self.target_probs(inputs, sampling),
+                           inputs.tokens, inputs.probs, parents, inputs.lengths,
+                           self.walk_uniforms(inputs.uniforms.clone(), parents), child_of=self.child_of)
+
+
+class TreeStaleResidualVerifier(_TreeWalkControl):
+    """Tries every sibling against the node's fresh target law: the residual is never updated
+    after a rejected sibling (and a node whose children were all rejected emits from p)."""
+
+    def walk_residual(self, p: Tensor, q: Tensor | None, x: Tensor) -> Tensor:
+        return p
 
 
 def _through_rejected(parent: Tensor, cur: Tensor, rejected: Tensor) -> Tensor:
@@ -361,19 +380,17 @@ def _through_rejected(parent: Tensor, cur: Tensor, rejected: Tensor) -> Tensor:
     return (parent == cur) | rejected.gather(1, (parent + 1)[:, None])[:, 0]
 
 
-class TreeRejectedSubtreeVerifier(RejectionVerifier):
+class TreeRejectedSubtreeVerifier(_TreeWalkControl):
     """After rejecting a child, still tries that child's own children as candidates, and reads
     the accepted path back from the deepest accepted node through its parents — so a rejected
     child comes back into the output with its accepted child."""
 
+    child_of = staticmethod(_through_rejected)
+
     def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, parents=None):
+        out = super().verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, parents)
         if parents is None:
-            return super().verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
-        inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
-        parents = parents.to(torch.long)
-        out = verify_tree(self.accept_probability, self.residual, self.target_probs(inputs, sampling),
-                          inputs.tokens, inputs.probs, parents, inputs.lengths, inputs.uniforms,
-                          child_of=_through_rejected)
+            return out
         path = torch.full_like(out.path, -1)
         counts = torch.zeros_like(out.num_accepted)
         for r, n in enumerate(out.num_accepted.tolist()):
@@ -393,29 +410,11 @@ def sibling_index(parents: Tensor) -> Tensor:
     return (same & earlier).sum(-1)
 
 
-class _TreeRandomness(RejectionVerifier):
-    """The shipped walk (:func:`~specforge.toolkit.trees.verify_tree`) under the declared rule,
-    handed uniforms that :meth:`tamper` changes; chains are verified correctly."""
-
-    def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, parents=None):
-        if parents is None:
-            return super().verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
-        inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
-        parents = parents.to(torch.long)
-        return verify_tree(self.accept_probability, self.residual, self.target_probs(inputs, sampling),
-                           inputs.tokens, inputs.probs, parents, inputs.lengths,
-                           self.tamper(inputs.uniforms.clone(), parents))
-
-    @abstractmethod
-    def tamper(self, uniforms: Tensor, parents: Tensor) -> Tensor:
-        """The uniforms the walk is handed (``[R, G+1, 2]``, a copy) given the tree's ``parents``."""
-
-
 class EchoConfig(RejectionConfig):
     every: int = Field(5, ge=1, description="the rows of the batch affected: every this many")
 
 
-class TreeSiblingEchoVerifier(_TreeRandomness):
+class TreeSiblingEchoVerifier(_TreeWalkControl):
     """In every fifth row of the batch, each third sibling (index 2, 5, …) is decided with the
     uniform of the node before it (its elder sibling in breadth-first order): the randomness of
     one node leaks into another's decision, for some nodes only."""
@@ -423,7 +422,7 @@ class TreeSiblingEchoVerifier(_TreeRandomness):
     def __init__(self, config: EchoConfig | None = None) -> None:
         super().__init__(config or EchoConfig())
 
-    def tamper(self, uniforms: Tensor, parents: Tensor) -> Tensor:
+    def walk_uniforms(self, uniforms: Tensor, parents: Tensor) -> Tensor:
         sib = sibling_index(parents)
         rows = (torch.arange(parents.shape[0]) % self.config.every == 0)[:, None]
         echo = ((sib % 3 == 2) & rows).nonzero(as_tuple=True)
@@ -435,14 +434,14 @@ class LateSiblingConfig(RejectionConfig):
     boost: float = Field(1.15, gt=0, description="acceptance of the third and later siblings × this")
 
 
-class TreeLateSiblingVerifier(_TreeRandomness):
+class TreeLateSiblingVerifier(_TreeWalkControl):
     """The third and later siblings of a node are accepted with min(1, 1.15·a) — their uniform
     is scaled — while the first two follow the rule."""
 
     def __init__(self, config: LateSiblingConfig | None = None) -> None:
         super().__init__(config or LateSiblingConfig())
 
-    def tamper(self, uniforms: Tensor, parents: Tensor) -> Tensor:
+    def walk_uniforms(self, uniforms: Tensor, parents: Tensor) -> Tensor:
         late = sibling_index(parents) >= 2
         uniforms[..., :-1, 0] = torch.where(late, uniforms[..., :-1, 0] / self.config.boost, uniforms[..., :-1, 0])
         return uniforms
@@ -452,23 +451,15 @@ class LeakyResidualConfig(RejectionConfig):
     leak: float = Field(0.05, ge=0, le=1, description="share of the pre-rejection law kept in the residual")
 
 
-class TreeLeakyResidualVerifier(RejectionVerifier):
+class TreeLeakyResidualVerifier(_TreeWalkControl):
     """After a rejected sibling the walk goes on with (1 − ε)·residual + ε·(the law before it):
-    a residual update that is only mostly made."""
+    a residual update that is only mostly made (``tree-stale-residual`` is ε = 1)."""
 
     def __init__(self, config: LeakyResidualConfig | None = None) -> None:
         super().__init__(config or LeakyResidualConfig())
 
-    def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, parents=None):
-        if parents is None:
-            return super().verify(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
-        inputs = prepare(target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms)
-        eps = self.config.leak
-
-        def leaky(p: Tensor, q: Tensor | None, x: Tensor) -> Tensor:
-            return (1 - eps) * self.residual(p, q, x) + eps * p
-        return verify_tree(self.accept_probability, leaky, self.target_probs(inputs, sampling), inputs.tokens,
-                           inputs.probs, parents.to(torch.long), inputs.lengths, inputs.uniforms)
+    def walk_residual(self, p: Tensor, q: Tensor | None, x: Tensor) -> Tensor:
+        return (1 - self.config.leak) * self.residual(p, q, x) + self.config.leak * p
 
 
 # --- registration -----------------------------------------------------------------------------

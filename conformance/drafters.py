@@ -250,8 +250,12 @@ class RandomTreeDrafter:
             first = level
         self.parents = torch.tensor(parents, dtype=torch.long)
         self.depth = torch.tensor(depth, dtype=torch.long)
+        self.paths: dict[int, list[int]] = {-1: []}  # node -> the nodes from the anchor's child down to it
+        for j, parent in enumerate(parents):
+            self.paths[j] = [*self.paths[parent], j]
         self.gamma = len(parents)
         self.table: Tensor | None = None
+        self.shadow: ShadowDrafter | None = None
 
     def bind(self, target) -> None:
         v, c = target.vocab_size, self.config
@@ -263,17 +267,14 @@ class RandomTreeDrafter:
             self.shadow.bind(target)
 
     @torch.inference_mode()
-    def _row(self, ctx: DraftContext, tokens: Tensor, j: int) -> Tensor:
-        """``[R, V]`` logits of node j's law, given its parent."""
-        parent = int(self.parents[j])
+    def _row(self, ctx: DraftContext, histories: list[tuple[int, ...]], tokens: Tensor, parent: int) -> Tensor:
+        """``[R, V]`` logits of the law of ``parent``'s children (−1: the anchor's)."""
         if self.shadow is None:
             prev = ctx.anchor if parent < 0 else tokens[:, parent]
-            return self.table[self.depth[j], prev % self.table.shape[1]]
-        path, node = [], parent
-        while node >= 0:
-            path.append(node)
-            node = int(self.parents[node])
-        seqs = [tuple(h.tolist()) + tuple(tokens[r, path[::-1]].tolist()) for r, h in enumerate(ctx.histories)]
+            depth = 0 if parent < 0 else int(self.depth[parent]) + 1
+            return self.table[depth, prev % self.table.shape[1]]
+        path = tokens[:, self.paths[parent]].tolist()
+        seqs = [h + tuple(p) for h, p in zip(histories, path)]
         return self.shadow.law(self.shadow._next_logits(seqs), 0).log()
 
     def release(self, request_id: int) -> None:
@@ -288,9 +289,13 @@ class RandomTreeDrafter:
         probs = torch.zeros(r, g, v)
         logits = torch.zeros(r, g, v)
         taken: dict[int, Tensor] = {}  # parent node -> [R, V] siblings drawn so far
+        rows: dict[int, Tensor] = {}  # parent node -> [R, V] its children's logits (siblings share them)
+        histories = [tuple(h.tolist()) for h in ctx.histories] if self.shadow is not None else []
         for j in range(g):
             parent = int(self.parents[j])
-            row = self._row(ctx, tokens, j)  # [R, V]
+            if parent not in rows:
+                rows[parent] = self._row(ctx, histories, tokens, parent)
+            row = rows[parent]  # [R, V]
             law = torch.softmax(row, -1)
             seen = taken.setdefault(parent, torch.zeros(r, v, dtype=torch.bool))
             if self.config.children == "distinct":

@@ -47,7 +47,7 @@ from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
 from specforge_conformance.drafters import SUITE_DRAFTERS
 from specforge_conformance.exact import FAMILIES
-from specforge_conformance.harness import Case
+from specforge_conformance.harness import Case, pilot, shares
 from specforge_conformance.stats import FitResult, detectable_tv, merge_cells
 
 __all__ = ["PROBE_ONLY", "MedianScheduler", "PrevTokenConfidence", "probe_cases", "size_case"]
@@ -202,8 +202,6 @@ def _most_selective(cases: list[Case], host: PluginHost) -> Case:
     step curve that admits no draft at this batch size, a threshold above every confidence)."""
     if len(cases) == 1:
         return cases[0]
-    from specforge_conformance.harness import pilot, shares
-
     return min(cases, key=lambda case: abs(shares(pilot(case, host))[0] - 0.5))
 
 

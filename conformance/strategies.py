@@ -19,7 +19,7 @@ from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
 from specforge_conformance.combos import Combination
 from specforge_conformance.exact import FAMILIES
-from specforge_conformance.harness import Case
+from specforge_conformance.harness import Case, informative, pilot, shares
 
 __all__ = ["CANDIDATES", "case_strategy", "draw_cases", "informative_cases", "params_strategy"]
 
@@ -110,8 +110,6 @@ def informative_cases(candidates: list[Case], count: int, host: PluginHost) -> l
     """``count`` of ``candidates`` (in draw order) in which verification happens, by a short pilot
     run each (:func:`~specforge_conformance.harness.informative`); where too few are, the rest are
     those that verified the largest share — the run then says whether they verified anything."""
-    from specforge_conformance.harness import informative, pilot, shares
-
     if len(candidates) <= count:
         return candidates
     chosen, scored = [], []
