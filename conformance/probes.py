@@ -47,7 +47,7 @@ from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
 from specforge_conformance.drafters import SUITE_DRAFTERS
 from specforge_conformance.exact import FAMILIES
-from specforge_conformance.harness import Case, pilot, shares
+from specforge_conformance.harness import CASE_THREADS, Case, pilot, shares
 from specforge_conformance.stats import FitResult, detectable_tv, merge_cells
 
 __all__ = ["PROBE_ONLY", "MedianScheduler", "PrevTokenConfidence", "probe_cases", "size_case"]
@@ -231,7 +231,7 @@ def _finish(case: Case, n: int, seed: int, role: str) -> Case:
     for attempt in range(50):
         candidate = replace(case, family=FAMILIES[(base + attempt) % len(FAMILIES)],
                             target_seed=(base + attempt) % 10_000, seed=(base * 7919 + attempt) % 2**40,
-                            prompt=(3, 5, 7, 3, 5), threads=torch.get_num_threads())
+                            prompt=(3, 5, 7, 3, 5), threads=CASE_THREADS)
         candidate = size_case(candidate, n)
         if candidate.law().well_conditioned:
             return candidate

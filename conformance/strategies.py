@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 
-import torch
-
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
@@ -19,7 +17,7 @@ from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
 from specforge_conformance.combos import Combination
 from specforge_conformance.exact import FAMILIES
-from specforge_conformance.harness import Case, informative, pilot, shares
+from specforge_conformance.harness import CASE_THREADS, Case, informative, pilot, shares
 
 __all__ = ["CANDIDATES", "case_strategy", "draw_cases", "informative_cases", "params_strategy"]
 
@@ -76,7 +74,7 @@ def case_strategy(host: PluginHost, combo: Combination, n: int) -> st.SearchStra
         horizon=st.sampled_from(HORIZONS),
         n=st.just(n),
         seed=st.integers(0, 2**40),
-        threads=st.just(torch.get_num_threads()),
+        threads=st.just(CASE_THREADS),
     )
     return strategy.map(lambda case: size_case(case, n)).filter(lambda case: case.law().well_conditioned)
 

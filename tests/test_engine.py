@@ -173,6 +173,23 @@ def test_stop_string_truncates_tokens_and_text(target, host):
     assert out.text == " ".join(map(str, full[:3])) + " "
 
 
+def test_generate_gives_the_text_streaming_shows(target, host):
+    """``generate`` decodes each output once, at the end; ``stream`` sends deltas every round —
+    the same text either way (deltas joined), and the same cut at a stop string."""
+    reqs = [GenerationRequest(prompt_ids=p, seed=i, ignore_eos=True) for i, p in enumerate(prompts(4, seed=9))]
+    full = greedy_tokens(target, host, reqs[0].prompt_ids)
+    reqs.append(GenerationRequest(prompt_ids=reqs[0].prompt_ids, stop=[f"{full[5]} {full[6]}"], ignore_eos=True))
+    outs = make_engine(target, host, ("random", {"gamma": 3})).generate(reqs)
+    engine = make_engine(target, host, ("random", {"gamma": 3}))
+    streamed: dict[int, str] = {}
+    ids = [engine.submit(r) for r in reqs]
+    for event in engine.stream(()):
+        streamed[event.request_id] = streamed.get(event.request_id, "") + event.text
+    assert [o.text for o in outs] == [engine.output(i).text for i in ids]
+    assert [o.text for o in outs[:-1]] == [streamed[i] for i in ids[:-1]]
+    assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].text.endswith(f"{full[4]} ")
+
+
 def test_context_limit_stops_a_request(target, host):
     p = prompts(1)[0]
     out = make_engine(target, host, ("ngram", {"gamma": 6}), context=len(p) + 5).generate(

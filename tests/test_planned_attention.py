@@ -33,15 +33,22 @@ def test_planned_matches_reference(dtype, tol, runs, slots, starts, batched):
         assert torch.equal(pa.varlen_attention_planned(q, kc, vc, plan, 0.125), ref)
 
 
-def test_freed_slot_is_cleared_for_the_padded_path():
+def test_freed_slots_are_cleared_before_they_are_handed_out_again():
+    """A freed slot's leftovers (here NaN) never reach its next occupant's padded reads; every
+    slot freed since is cleared in the same pass."""
     from specforge.target.cache import KVCache
-    cache = KVCache(2, 2, 1, 16, 4, torch.bfloat16)
-    s = cache.allocate()
-    cache.note_written([s], [5])
-    for k in cache.k:
-        k[s, :, :5] = float("nan")
-    cache.free(s)
-    assert all(torch.isfinite(k).all() and torch.isfinite(v).all() for k, v in zip(cache.k, cache.v))
+    cache = KVCache(2, 3, 1, 16, 4, torch.bfloat16)
+    slots = [cache.allocate() for _ in range(3)]
+    cache.note_written(slots, [5, 7, 3])
+    for t in (*cache.k, *cache.v):
+        for slot, end in zip(slots, [5, 7, 3]):
+            t[slot, :, :end] = float("nan")
+    cache.free(slots[2])
+    cache.free(slots[0])
+    assert cache.allocate() == slots[0]
+    for t in (*cache.k, *cache.v):
+        assert torch.isfinite(t[[slots[0], slots[2]]]).all()
+        assert torch.isnan(t[slots[1], :, :7]).all()  # still in use: untouched
 
 
 def test_mixed_lengths_are_grouped_by_slot_and_nobody_pays_for_the_longest():

@@ -134,6 +134,9 @@ class Engine:
         self._prefilling: list[_Active] = []  # admitted, part of the prompt not yet in the cache
         self.prefill_chunk = _prefill_chunk(self.config.prefill_chunk, target)
         self._outputs: dict[int, RequestOutput] = {}
+        # Whether each round's events carry their text delta.  ``generate`` turns it off: nobody
+        # reads the deltas there, and decoding the whole output every round costs O(length²).
+        self._text_deltas = True
         self._next_id = 0
         # Wall time per phase of the rounds run so far (seconds), for latency breakdowns: draft
         # (drafter, confidence, calibrator, scheduler), target (the flattened pass), verify, commit;
@@ -498,13 +501,15 @@ class Engine:
                 del s.history[s.prompt_len + n_keep :]
                 s.stats.emitted = len(s.output)
                 reason = FinishReason.STOP
+        new_ids = tuple(s.output[before:])
+        if reason is None and not self._text_deltas:
+            return StreamEvent(s.request_id, new_ids, "")  # the text is decoded once, at the end
         text = self.target.decode(s.output)
         if text_cut is not None:
             text = text[:text_cut]
         # Hold back a trailing partial character until the bytes that complete it arrive.
         stable = text if reason is not None else text.rstrip("\ufffd")
         delta, s.text = stable[len(s.text):], stable
-        new_ids = tuple(s.output[before:])
         if reason is not None:
             return self._finish(s, reason, None, new_ids, delta)
         return StreamEvent(s.request_id, new_ids, delta)
@@ -513,6 +518,8 @@ class Engine:
                 delta: str = "") -> StreamEvent:
         s.finish_reason = reason
         s.stats.finished = time.perf_counter()
+        if error is not None and not self._text_deltas:  # the text streaming would have shown so far
+            s.text = self.target.decode(s.output).rstrip("\ufffd")
         self._active.remove(s)
         self.cache.free(s.slot)
         if self.drafter is not None:
@@ -538,8 +545,12 @@ class Engine:
     def generate(self, requests: Iterable[GenerationRequest]) -> list[RequestOutput]:
         """Run to completion; outputs in submission order."""
         ids = [self.submit(r) for r in requests]
-        for _ in self.stream(()):
-            pass
+        self._text_deltas = False
+        try:
+            for _ in self.stream(()):
+                pass
+        finally:
+            self._text_deltas = True
         return [self._outputs.pop(i) for i in ids]
 
     def output(self, request_id: int) -> RequestOutput:

@@ -33,6 +33,8 @@ __all__ = ["BaseVerifier", "VerifyInputs", "accepted_prefix", "gather_at", "prep
 def gather_at(t: Tensor, x: Tensor) -> Tensor:
     """``t[..., x]`` elementwise: ``t`` is ``[..., V]``, ``x`` is ``[...]``; the leading
     dimensions broadcast against each other (``gather`` alone would not)."""
+    if t.shape[:-1] == x.shape:  # the common case, without broadcast_shapes' Python-level cost
+        return t.gather(-1, x.unsqueeze(-1)).squeeze(-1)
     shape = torch.broadcast_shapes(t.shape[:-1], x.shape)
     index = x.expand(shape).unsqueeze(-1)
     return t.expand(*shape, t.shape[-1]).gather(-1, index).squeeze(-1)
