@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seconds", type=float, default=None, metavar="S",
                    help="start no new probe or combination after S seconds (what is left is reported "
                         "as not run, and the run does not pass)")
+    p.add_argument("--shard", type=_shard, default=(1, 1), metavar="I/K",
+                   help="run the I-th of K interleaved shares of the probes and combinations (one seed "
+                        "split over K cores or machines; `conformance summary` joins the K reports)")
     p.add_argument("--controls", nargs="*", default=None, metavar="NAME",
                    help="prove the suite's power: run the negative controls (all, or those named)")
     p.add_argument("--no-deterministic", action="store_true", help="skip the deterministic checks")
@@ -64,6 +67,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     summary.add_argument("reports", nargs="+", metavar="FILE.json",
                          help="reports written by `specforge conformance --out` (one seed or several)")
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        i, k = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: expected I/K, e.g. 1/2") from None
+    if not 1 <= i <= k:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: I must be between 1 and K")
+    return i, k
 
 
 def _emit(args, payload: dict, text: str) -> None:
@@ -101,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_seeds(args, tier)
     report = run_suite(tier=tier, plugins=args.plugin, seed=args.seed, n=args.n, progress=_progress,
                        deterministic=not args.no_deterministic, fail_fast=args.fail_fast,
-                       max_seconds=args.max_seconds)
+                       max_seconds=args.max_seconds, shard=args.shard)
     text = report.table() + ("\n\n" + report.explain() if not report.passed else "")
     text += f"\n\n{'PASSED' if report.passed else 'FAILED'} ({report.tier} tier, {report.seconds:.0f} s)"
     _emit(args, report.to_dict(), text)
@@ -120,7 +133,7 @@ def _run_seeds(args: argparse.Namespace, tier: str) -> int:
     previous = _previous(args.out)
     if previous:
         # a seed run on other code says nothing about this code: run again, not pooled
-        same = {"tier": tier, "n": args.n}
+        same = {"tier": tier, "n": args.n, "shard": list(args.shard) if args.shard[1] > 1 else None}
         code, stale = code_fingerprint(), 0
         for rec in previous.get("seeds", []):
             if isinstance(rec, dict) and rec.get("seed") in wanted and not differences(rec, same):
@@ -146,7 +159,7 @@ def _run_seeds(args: argparse.Namespace, tier: str) -> int:
             continue
         report = run_suite(tier=tier, plugins=args.plugin, seed=seed, n=args.n, progress=_progress,
                            deterministic=not args.no_deterministic, fail_fast=args.fail_fast,
-                           max_seconds=args.max_seconds)
+                           max_seconds=args.max_seconds, shard=args.shard)
         done[seed] = report.to_dict()
         if not report.passed:
             explanations[seed] = report.explain()
@@ -168,7 +181,8 @@ def _run_seeds(args: argparse.Namespace, tier: str) -> int:
 def _run_summary(args: argparse.Namespace) -> int:
     from specforge_conformance.summary import read_seeds, summarize
 
-    text, passed = summarize(read_seeds(args.reports))
+    incomplete: list[str] = []
+    text, passed = summarize(read_seeds(args.reports, incomplete), incomplete)
     print(text)
     return 0 if passed else 1
 

@@ -38,7 +38,7 @@ from specforge_conformance.exact import ExactLaw, ReferenceSpec, exact_law, refe
 from specforge_conformance.rounds import RoundRecorder
 from specforge_conformance.stats import FitResult, detectable_tv, goodness_of_fit
 
-__all__ = ["CASE_THREADS", "MIN_TAU", "MIN_VERIFIED", "STATISTICS", "Case", "CaseResult", "check_case", "exercised", "informative",
+__all__ = ["CASE_THREADS", "MIN_TAU", "torch_threads", "MIN_VERIFIED", "STATISTICS", "Case", "CaseResult", "check_case", "exercised", "informative",
            "pilot", "run_case", "shares"]
 
 RERUN_FACTOR = 10
@@ -177,15 +177,20 @@ class CaseResult:
 
 
 @contextlib.contextmanager
-def case_threads(case: Case):
-    """Run with the case's torch thread count, then restore the process's."""
+def torch_threads(n: int | None):
+    """Run with ``n`` torch threads (``None``: as the process is), then restore the process's."""
     before = torch.get_num_threads()
-    if case.threads:
-        torch.set_num_threads(case.threads)
+    if n:
+        torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def case_threads(case: Case):
+    """Run with the case's torch thread count, then restore the process's."""
+    return torch_threads(case.threads)
 
 
 def build_engine(case: Case, host: PluginHost, target=None, max_new_tokens: int | None = None,

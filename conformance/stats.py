@@ -52,8 +52,10 @@ def chi2_sf(x: float, df: int) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)
 def chi2_isf(alpha: float, df: int) -> float:
-    """The x with P(χ²_df > x) = alpha (bisection on :func:`chi2_sf`)."""
+    """The x with P(χ²_df > x) = alpha (bisection on :func:`chi2_sf`; remembered, since
+    :func:`detectable_tv` asks for the same few levels thousands of times)."""
     lo, hi = 0.0, float(df) + 10.0
     while chi2_sf(hi, df) > alpha:
         hi *= 2

@@ -34,7 +34,9 @@ from specforge_conformance import probes
 from specforge_conformance.combos import Combination, certification_blocker, combinations, covering_set
 from specforge_conformance.deterministic import Check, component_checks, deterministic_checks
 from specforge_conformance.fingerprint import code_fingerprint
-from specforge_conformance.harness import MIN_TAU, STATISTICS, Case, CaseResult, check_case, exercised, shares
+from specforge_conformance.harness import (CASE_THREADS, MIN_TAU, STATISTICS, Case, CaseResult, check_case, exercised,
+                                          shares, torch_threads)
+from specforge_conformance.summary import OTHER_SHARD
 from specforge_conformance.strategies import CANDIDATES, case_strategy, draw_cases, informative_cases
 
 __all__ = ["TIERS", "ComboReport", "SuiteReport", "Tier", "run_suite", "suite_host"]
@@ -74,7 +76,7 @@ def suite_host(host: PluginHost | None = None) -> PluginHost:
 @dataclass
 class ComboReport:
     combination: Combination
-    status: str  # certified | failed | lossy | not-certifiable | not exercised | error | not run
+    status: str  # certified | failed | lossy | not-certifiable | not exercised | error | not run | other shard
     reason: str = ""
     results: list[CaseResult] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
@@ -87,7 +89,7 @@ class ComboReport:
 
     @property
     def ok(self) -> bool:
-        return self.status in ("certified", "not-certifiable", "lossy", "not exercised")
+        return self.status in ("certified", "not-certifiable", "lossy", "not exercised", OTHER_SHARD)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -110,6 +112,7 @@ class SuiteReport:
     seconds: float
     seed: int
     n: int | None = None  # the samples per case asked for (None: the tier's)
+    shard: tuple[int, int] = (1, 1)  # (i, k): this run did the i-th of k shares of the rows
 
     @property
     def passed(self) -> bool:
@@ -127,6 +130,7 @@ class SuiteReport:
         return {
             "tier": self.tier, "alpha": self.alpha, "seed": self.seed, "n": self.n, "passed": self.passed,
             "seconds": round(self.seconds, 1), "code": code_fingerprint(),
+            **({"shard": list(self.shard)} if self.shard[1] > 1 else {}),
             "combinations": [c.to_dict() for c in self.combos],
             "components": {name: [k.to_dict() for k in ks] for name, ks in self.component_checks.items()},
             "detectable": self.detectable_by_kind(),
@@ -162,6 +166,8 @@ class SuiteReport:
         effects per kind."""
         rows = [("combination", "status", "N", "τ", "verified", "accepted", "min p (statistic)", "MDE seq", "checks")]
         for c in self.combos:
+            if c.status == OTHER_SHARD:
+                continue
             if c.results:
                 n = max(r.case.n for r in c.results)
                 worst = min(c.results, key=lambda r: r.min_p)
@@ -177,6 +183,9 @@ class SuiteReport:
                 "-" if not c.checks else "FAIL: " + ", ".join(k.name for k in c.checks if not k.passed))
             rows.append((c.title, c.status, *stats, checks))
         lines = _columns(rows)
+        others = sum(c.status == OTHER_SHARD for c in self.combos)
+        if others:
+            lines.append(f"(shard {self.shard[0]}/{self.shard[1]}: {others} rows left to the other shards)")
         for name, ks in self.component_checks.items():
             for k in ks:
                 lines.append(f"{name}: {k.name} {'ok' if k.passed else 'FAILED'} — {k.detail}")
@@ -268,23 +277,37 @@ def components_in_play(host: PluginHost, combos: Iterable[Combination], plugins:
 @dataclass
 class _Job:
     report: ComboReport
-    cases: list[Case]
+    cases: list[Case] | Callable[[], list[Case]]  # a combination's draw: made by the shard that checks it
+    size: int  # the cases it checks
     pipeline_checks: bool  # run the deterministic checks of the pipeline of cases[0]
     keep: int | None = None  # choose this many informative cases among ``cases`` first (a pilot run each)
-
-    @property
-    def size(self) -> int:
-        return len(self.cases) if self.keep is None else min(self.keep, len(self.cases))
 
 
 def run_suite(host: PluginHost | None = None, tier: str = "fast", plugins: Iterable[str] = (),
               alpha: float = ALPHA, seed: int = 0, n: int | None = None,
               progress: Callable[[str], None] | None = None, deterministic: bool = True,
-              fail_fast: bool = False, max_seconds: float | None = None) -> SuiteReport:
+              fail_fast: bool = False, max_seconds: float | None = None,
+              shard: tuple[int, int] = (1, 1)) -> SuiteReport:
     """Probe every component in play, then check every selected combination; see the module
     docstring.  ``fail_fast`` stops at the first failure, ``max_seconds`` starts nothing new once
     that much time is spent; what was not run is reported as ``not run`` (and the run does not
-    pass)."""
+    pass).  ``shard=(i, k)`` runs the i-th of k interleaved shares of the probes and combinations
+    (the components' own checks in the first): the k runs of one seed, on several cores or
+    machines, test exactly what one run would, at the same levels (``conformance summary`` joins
+    them)."""
+    index, count = shard
+    if not 1 <= index <= count:
+        raise ValueError(f"shard {index}/{count}: the index must be between 1 and {count}")
+    # the exact laws, draws and statistics too: like the cases, they gain nothing from a second thread
+    with torch_threads(CASE_THREADS):
+        return _run_suite(host, tier, plugins, alpha, seed, n, progress, deterministic, fail_fast, max_seconds,
+                          shard)
+
+
+def _run_suite(host: PluginHost | None, tier: str, plugins: Iterable[str], alpha: float, seed: int, n: int | None,
+               progress: Callable[[str], None] | None, deterministic: bool, fail_fast: bool,
+               max_seconds: float | None, shard: tuple[int, int]) -> SuiteReport:
+    index, count = shard
     start = time.perf_counter()
     host = suite_host(host)
     spec = TIERS[tier]
@@ -292,32 +315,38 @@ def run_suite(host: PluginHost | None = None, tier: str = "fast", plugins: Itera
     jobs, component_results = [], {}
     for kind, name in components_in_play(host, chosen + [c.combination for c in untested], plugins):
         title = f"{kind.value.replace('_', ' ')} {name}"
-        own = component_checks(kind, name, host) if deterministic else []
+        own = component_checks(kind, name, host) if deterministic and index == 1 else []
         if own:
             component_results[title] = own
         cases = probes.probe_cases(host, kind, name, n or spec.size(kind), seed)
         if cases:
             jobs.append(_Job(ComboReport(cases[0].combination, "certified", label=f"probes of {title}",
-                                         role=kind.value), cases, False))
+                                         role=kind.value), cases, len(cases), False))
     if fail_fast and any(not k.passed for ks in component_results.values() for k in ks):
         jobs_stop = "--fail-fast: a component's own check failed"
     else:
         jobs_stop = ""
     for combo in chosen:
-        drawn = draw_cases(case_strategy(host, combo, n or spec.size(None)),
-                           spec.cases_per_combination + (0 if combo.plain else CANDIDATES), f"{seed}:{combo.label()}")
-        jobs.append(_Job(ComboReport(combo, "certified"), drawn, deterministic and not combo.plain,
-                         None if combo.plain else spec.cases_per_combination))
+        def draw(combo: Combination = combo) -> list[Case]:
+            return draw_cases(case_strategy(host, combo, n or spec.size(None)),
+                              spec.cases_per_combination + (0 if combo.plain else CANDIDATES), f"{seed}:{combo.label()}")
+        jobs.append(_Job(ComboReport(combo, "certified"), draw, spec.cases_per_combination,
+                         deterministic and not combo.plain, None if combo.plain else spec.cases_per_combination))
     total = sum(j.size for j in jobs)
     per_case = alpha / max(total, 1)
-    bar = _progress(total, progress)
+    bar = _progress(sum(job.size for j, job in enumerate(jobs) if j % count == index - 1), progress)
     stop = jobs_stop
-    for job in jobs:
+    for j, job in enumerate(jobs):
         report = job.report
+        if j % count != index - 1:
+            report.status = OTHER_SHARD
+            continue
         if stop:
             report.status, report.reason = "not run", stop
             continue
         try:
+            if callable(job.cases):
+                job.cases = job.cases()
             if job.keep is not None:  # the pilots run the plug-ins too: a broken one is reported here
                 job.cases = informative_cases(job.cases, job.keep, host)
             for case in job.cases:
@@ -342,7 +371,7 @@ def run_suite(host: PluginHost | None = None, tier: str = "fast", plugins: Itera
         elif max_seconds is not None and time.perf_counter() - start > max_seconds:
             stop = f"--max-seconds {max_seconds:g} spent"
     return SuiteReport(tier, alpha, [j.report for j in jobs] + untested, component_results,
-                       time.perf_counter() - start, seed, n)
+                       time.perf_counter() - start, seed, n, shard)
 
 
 def _idle(results: list[CaseResult]) -> str:

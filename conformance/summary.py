@@ -17,19 +17,24 @@ from pathlib import Path
 
 from specforge.errors import SpecforgeError
 
-__all__ = ["ReportError", "read_seeds", "summarize"]
+__all__ = ["OTHER_SHARD", "ReportError", "join_shards", "read_seeds", "summarize"]
+
+OTHER_SHARD = "other shard"  # the status of a row a sharded run (--shard I/K) leaves to another shard
 
 
 class ReportError(SpecforgeError):
     """A report file that cannot be read, or files that hold no statistical case."""
 
 
-def read_seeds(paths: Iterable[str]) -> dict[int, dict]:
+def read_seeds(paths: Iterable[str], incomplete: list[str] | None = None) -> dict[int, dict]:
     """Every seed's report in the files, by seed (a seed found twice keeps its last report).
 
-    Seeds run on different code (their ``code`` fingerprints differ,
+    The shards of a seed (``--shard I/K``) are joined into one report; a seed some of whose
+    shards are missing is left out (and named in ``incomplete`` when a list is given).  Seeds run
+    on different code (their ``code`` fingerprints differ,
     :mod:`specforge_conformance.fingerprint`) are refused: pooled, they would certify no code."""
     seeds: dict[int, dict] = {}
+    shards: dict[int, dict[tuple[int, int], dict]] = {}
     where: dict[str, list[str]] = {}
     for path in paths:
         try:
@@ -38,14 +43,41 @@ def read_seeds(paths: Iterable[str]) -> dict[int, dict]:
             raise ReportError(f"{path}: {exc}") from None
         # a multi-seed run writes {"seeds": [...]}, a single seed its report itself
         for rec in data["seeds"] if "seeds" in data else [data]:
-            seeds[rec["seed"]] = rec
+            if rec.get("shard"):
+                shards.setdefault(rec["seed"], {})[tuple(rec["shard"])] = rec
+            else:
+                seeds[rec["seed"]] = rec
             where.setdefault(rec.get("code", "unrecorded"), []).append(f"{path} seed {rec['seed']}")
     if len(where) > 1:
         raise ReportError("the reports were run on different code (fingerprints "
                           + "; ".join(f"{code}: {', '.join(w[:3])}{' …' if len(w) > 3 else ''}"
                                       for code, w in where.items())
                           + "); pool only seeds of one fingerprint")
+    for seed, parts in sorted(shards.items()):
+        joined = join_shards(parts)
+        if joined is None:
+            if incomplete is not None:
+                have = ", ".join(f"{i}/{k}" for i, k in sorted(parts))
+                incomplete.append(f"seed {seed} (shards {have} only)")
+        elif seed not in seeds:
+            seeds[seed] = joined
     return seeds
+
+
+def join_shards(parts: dict[tuple[int, int], dict]) -> dict | None:
+    """One seed's report from its K shard reports (``None`` unless all K are there, of one K):
+    each row from the shard that ran it, the components' checks from the first, the seconds
+    summed (CPU time when the shards ran side by side)."""
+    counts = {k for _, k in parts}
+    if len(counts) != 1 or set(parts) != {(i, k) for k in counts for i in range(1, k + 1)}:
+        return None
+    ordered = [parts[key] for key in sorted(parts)]
+    first = ordered[0]
+    rows = [next((p["combinations"][j] for p in ordered if p["combinations"][j]["status"] != OTHER_SHARD),
+                 first["combinations"][j]) for j in range(len(first["combinations"]))]
+    return {**{k: v for k, v in first.items() if k != "shard"}, "combinations": rows,
+            "passed": all(p["passed"] for p in ordered), "seconds": sum(p["seconds"] for p in ordered),
+            "shards": len(ordered)}
 
 
 def _tests(case: dict) -> dict[str, dict]:
@@ -55,8 +87,9 @@ def _tests(case: dict) -> dict[str, dict]:
     return {"sequence": case["fit"]} if case.get("fit") else {}
 
 
-def summarize(seeds: dict[int, dict]) -> tuple[str, bool]:
-    """The summary as text, and whether every seed passed."""
+def summarize(seeds: dict[int, dict], incomplete: Iterable[str] = ()) -> tuple[str, bool]:
+    """The summary as text, and whether every seed passed (``incomplete``: seeds left out for
+    missing shards, named in the text)."""
     cases = [(s, case) for s, rec in seeds.items() for combo in rec["combinations"] for case in combo["cases"]]
     fits = [(t["p_value"], t["tv"], c.get("level", c["alpha"]), f"{c['combination']} [{name}]", s)
             for s, c in cases for name, t in _tests(c).items()]
@@ -77,4 +110,7 @@ def summarize(seeds: dict[int, dict]) -> tuple[str, bool]:
         f"largest TV: {tv_max[1]:.4f} ({tv_max[3]}, seed {tv_max[4]})",
         f"median seconds per seed: {median_seconds:.0f}",
     ]
+    incomplete = list(incomplete)
+    if incomplete:
+        lines.append(f"not pooled, shards missing: {', '.join(incomplete)}")
     return "\n".join(lines), not failed

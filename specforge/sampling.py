@@ -243,6 +243,8 @@ def draw_uniforms(generators: list[torch.Generator], positions: int | Sequence[i
         rows = max(counts, default=0)
     if len(counts) != len(generators):
         raise ValueError(f"{len(counts)} counts for {len(generators)} generators")
+    if generators and rows and all(n == rows for n in counts):  # the usual round: one stack, not R slice writes
+        return torch.stack([torch.rand(rows, width, generator=g, dtype=torch.float64) for g in generators])
     out = torch.zeros(len(generators), rows, width, dtype=torch.float64)
     for r, (g, n) in enumerate(zip(generators, counts)):
         if n:

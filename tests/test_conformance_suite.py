@@ -163,3 +163,45 @@ def test_multi_seed_run_resumes_from_its_output_file(tmp_path):
     assert "1 seeds were run on other code" in third.stderr and "seed 1: passed" in third.stderr
     assert "seed 0:" not in third.stderr
     assert len({r["code"] for r in json.loads(out.read_text())["seeds"]}) == 1
+
+
+@pytest.mark.slow
+def test_the_shards_of_a_seed_run_exactly_what_one_run_does(tmp_path):
+    """``--shard I/K`` splits one seed's probes and combinations over K processes; `summary` joins
+    them into the report one unsharded run writes (same rows, same cases, same p-values)."""
+    from specforge_conformance.summary import read_seeds
+
+    base = [sys.executable, "-m", "specforge", "conformance", "--plugin", "ngram", "--n", "200", "--seed", "5",
+            "--no-deterministic"]
+    for name, extra in (("whole", []), ("a", ["--shard", "1/2"]), ("b", ["--shard", "2/2"])):
+        run = subprocess.run([*base, *extra, "--out", str(tmp_path / f"{name}.json")], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert a["shard"] == [1, 2] and any(c["status"] == "other shard" for c in a["combinations"])
+    incomplete: list[str] = []
+    assert read_seeds([str(tmp_path / "a.json")], incomplete) == {} and incomplete == ["seed 5 (shards 1/2 only)"]
+    joined = read_seeds([str(tmp_path / "a.json"), str(tmp_path / "b.json")])[5]
+    whole = json.loads((tmp_path / "whole.json").read_text())
+
+    def rows(report):
+        return [(c["label"], c["status"], [(case["alpha"], k, t["p_value"]) for case in c["cases"]
+                                           for k, t in case["tests"].items()])
+                for c in report["combinations"]]
+    assert rows(joined) == rows(whole) and joined["passed"]
+    bad = subprocess.run([*base, "--shard", "3/2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "I must be between 1 and K" in bad.stderr
+
+
+def test_a_shard_runs_its_share_of_the_rows_at_the_whole_run_s_levels():
+    """The second of two shards runs every other row (the first leaves them to it) at the level
+    the whole run would use; the components' own checks belong to the first shard."""
+    host = PluginHost(autoload=False)
+    second = run_suite(host, plugins=["random"], n=200, seed=5, shard=(2, 2))
+    rows = [c for c in second.combos if c.status not in ("lossy", "not-certifiable")]
+    assert [c.status == "other shard" for c in rows] == [j % 2 == 0 for j in range(len(rows))]
+    ran = [r for c in rows for r in c.results]
+    assert ran and not second.component_checks and second.passed
+    assert len({r.alpha for r in ran}) == 1  # one level: the whole run's (the slow test compares them)
+    assert "(shard 2/2: " in second.table() and second.to_dict()["shard"] == [2, 2]
+    with pytest.raises(ValueError, match="shard 3/2"):
+        run_suite(host, plugins=["random"], shard=(3, 2))

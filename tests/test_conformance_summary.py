@@ -108,3 +108,25 @@ def test_the_fingerprint_follows_the_code(tmp_path):
     assert fingerprint_of({"pkg": [pkg]}) != first
     (pkg / "sub" / "b.py").write_text("Y = 1\n")
     assert fingerprint_of({"pkg": [pkg]}) == first and fingerprint_of({"other": [pkg]}) != first
+
+
+def test_the_shards_of_a_seed_are_joined_and_a_seed_missing_one_is_named(tmp_path):
+    """--shard I/K reports: each row from the shard that ran it, seconds summed; a seed whose
+    shards are not all there is left out of the pool and named."""
+    def shard(seed, i, rows, passed=True):
+        return {**report(seed, passed=passed, seconds=5.0), "shard": [i, 2], "code": "c0de",
+                "combinations": rows}
+    other = {"label": "x", "status": "other shard", "cases": []}
+    a = {"label": "probes of verifier rejection", "status": "certified", "cases": [case(0.2, 0.01)]}
+    b = {"label": "ngram / greedy", "status": "certified", "cases": [case(0.03, 0.02, label="ngram / greedy")]}
+    path = tmp_path / "shards.json"
+    path.write_text(json.dumps({"seeds": [shard(0, 1, [a, other]), shard(0, 2, [other, b]), shard(1, 2, [other, b])]}))
+    incomplete: list[str] = []
+    seeds = read_seeds([str(path)], incomplete)
+    assert list(seeds) == [0] and incomplete == ["seed 1 (shards 2/2 only)"]
+    assert [r["label"] for r in seeds[0]["combinations"]] == [a["label"], b["label"]]
+    assert seeds[0]["seconds"] == 10.0 and seeds[0]["shards"] == 2 and "shard" not in seeds[0]
+    text, passed = summarize(seeds, incomplete)
+    assert passed and "statistical cases: 2" in text and text.endswith("not pooled, shards missing: seed 1 (shards 2/2 only)")
+    path.write_text(json.dumps({"seeds": [shard(0, 1, [a, other]), shard(0, 2, [other, b], passed=False)]}))
+    assert summarize(read_seeds([str(path)]))[1] is False

@@ -11,6 +11,7 @@ attends only to its ancestors (``tree``: one bitmask per token over its run) and
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,8 +47,11 @@ class VarlenBatch:
         lengths = [len(run) for run in runs]
         if any(n == 0 for n in lengths):
             raise ValueError("every request in a pass must contribute at least one token")
-        tokens = torch.cat([torch.as_tensor(run, dtype=torch.long) for run in runs]) if runs else \
-            torch.empty(0, dtype=torch.long)
+        if any(isinstance(run, Tensor) for run in runs):
+            tokens = torch.cat([torch.as_tensor(run, dtype=torch.long) for run in runs]) if runs else \
+                torch.empty(0, dtype=torch.long)
+        else:  # lists of ids (the engine's runs): one tensor, not one per request
+            tokens = torch.tensor(list(itertools.chain.from_iterable(runs)), dtype=torch.long)
         n = torch.tensor(lengths, dtype=torch.long)
         start = torch.tensor(list(start_pos), dtype=torch.long)
         slot_t = torch.tensor(list(slots), dtype=torch.long)
