@@ -309,14 +309,21 @@ def detectable_tv(fit: FitResult, alpha: float, screen: float | None = None, fac
     is measured again on ``factor``·n fresh samples and fails if p < ``alpha`` there; the chance
     of detection is then the product of the two stages' powers.  Degrees of freedom are those of
     the first stage.  ``inf`` when the test saw no data."""
-    if fit.info <= 0:
+    return _detectable(fit.info, fit.df, alpha, screen, factor, detect)
+
+
+@functools.lru_cache(maxsize=65536)
+def _detectable(info: float, df: int, alpha: float, screen: float | None, factor: int, detect: float) -> float:
+    """:func:`detectable_tv` of a test with this information and df (remembered: a report asks
+    for each case's effects several times — its table, its per-kind summary, its JSON)."""
+    if info <= 0:
         return math.inf
 
     def detected(t: float) -> float:
-        lam = fit.info * t * t
+        lam = info * t * t
         if screen is None:
-            return power(fit.df, lam, alpha)
-        return power(fit.df, lam, screen) * power(fit.df, factor * lam, alpha)
+            return power(df, lam, alpha)
+        return power(df, lam, screen) * power(df, factor * lam, alpha)
 
     lo, hi = 0.0, 1e-3
     while detected(hi) < detect:
