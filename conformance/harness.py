@@ -38,14 +38,14 @@ from specforge_conformance.exact import ExactLaw, ReferenceSpec, exact_law, refe
 from specforge_conformance.rounds import RoundRecorder
 from specforge_conformance.stats import FitResult, detectable_tv, goodness_of_fit
 
-__all__ = ["CASE_THREADS", "MIN_TAU", "torch_threads", "MIN_VERIFIED", "STATISTICS", "Case", "CaseResult", "check_case", "exercised", "informative",
-           "pilot", "run_case", "shares"]
+__all__ = ["CASE_THREADS", "MIN_TAU", "MIN_VERIFIED", "STATISTICS", "Case", "CaseResult", "check_case", "exercised",
+           "informative", "pilot", "run_case", "shares", "torch_threads"]
 
 RERUN_FACTOR = 10
 # Torch threads of every case the suite draws.  Its targets are tiny (hidden size 32, V ≤ 32), so
 # a second intra-op thread buys little and burns a core: a token-tree probe case measured 28.5 s
 # wall / 49 CPU-s at 2 threads, 31 s / 30 CPU-s at 1 (AMD EPYC, 2 cores).  Several cores are
-# better spent on several seeds (``--seed/--seeds/--out``).
+# better spent on several seeds (``--seed/--seeds/--out``) or shards of one (``--shard``).
 CASE_THREADS = 1
 SCREEN = 1e-3  # a statistic with p below this at N is measured again at 10·N
 # Every statistic a case can produce; the per-case level is shared among all of them (Bonferroni).

@@ -32,9 +32,9 @@ CANDIDATES = 6
 TEMPERATURES = (1.0, 1.5, 0.8, 1.2)
 TOP_K = (0, 3, 6)
 TOP_P = (1.0, 0.8, 0.95)
-# Batches of 32 cost ~2.5× a batch of 128 per request (per-round overheads: a calibrator probe
-# case measured 9 s vs 3.5 s of engine time on one EPYC thread); sizes that are not powers of two
-# stay in the draw (200) for layouts that only break there.
+# Small batches cost more per request (a round's cost is mostly per pass: a calibrator probe case
+# took 15.2 s at batch 32, 9.6 s at 128, end to end on one EPYC thread); a size that is not a power
+# of two stays in the draw (200) for layouts that only break there.
 BATCHES = (64, 200, 128)
 VOCABS = (16, 8, 24)
 HORIZONS = (3, 2)

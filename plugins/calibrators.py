@@ -275,7 +275,7 @@ class SequentialTemperatureScaling:
     def fit_parameters(self, data: CalibrationData) -> tuple[list[float], list[float]]:
         """Fit and set the per-position (temperature, offset) pairs, without :meth:`fit`'s
         before/after report — the part an online refit needs (the report costs more than the
-        search itself, measured: 9.4 of 10.9 s of a conformance case's refits)."""
+        search itself: 9.4 of 10.9 s of a conformance case's refits, under cProfile)."""
         verified, survived = survival_outcomes(data)
         if not torch.isfinite(data.confidence).all():
             raise ValueError("sts fit: confidences contain non-finite values")
