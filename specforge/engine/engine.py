@@ -50,7 +50,7 @@ from specforge.engine.request import (
     RequestStats,
     StreamEvent,
 )
-from specforge.engine.stops import apply_token_stops, find_stop_string
+from specforge.engine.stops import apply_token_stops, find_stop_string, stop_prefix_length
 from specforge.errors import ConfigError
 from specforge.protocols import DraftCostAware, DraftGate, ObservesRounds
 from specforge.registry import ComponentKind
@@ -507,8 +507,11 @@ class Engine:
         text = self.target.decode(s.output)
         if text_cut is not None:
             text = text[:text_cut]
-        # Hold back a trailing partial character until the bytes that complete it arrive.
+        # Hold back a trailing partial character until the bytes that complete it arrive, and a
+        # tail that may begin a stop string until the round that completes or breaks it.
         stable = text if reason is not None else text.rstrip("\ufffd")
+        if reason is None and s.stops:
+            stable = stable[: len(stable) - stop_prefix_length(stable, s.stops)]
         delta, s.text = stable[len(s.text):], stable
         if reason is not None:
             return self._finish(s, reason, None, new_ids, delta)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from specforge.engine.request import FinishReason
 
-__all__ = ["apply_token_stops", "find_stop_string"]
+__all__ = ["apply_token_stops", "find_stop_string", "stop_prefix_length"]
 
 
 def apply_token_stops(
@@ -55,3 +55,17 @@ def find_stop_string(
         if len(decode(tokens[:n])) >= end and stop in decode(tokens[:n]):
             return n, cut
     return len(tokens), cut
+
+
+def stop_prefix_length(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that begins a stop string without completing it.
+
+    A stream holds that much back: the next round may complete the stop string, and the output
+    then ends before it, so text already sent would have to be taken back."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
