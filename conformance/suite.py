@@ -334,11 +334,12 @@ def _run_suite(host: PluginHost | None, tier: str, plugins: Iterable[str], alpha
                          deterministic and not combo.plain, None if combo.plain else spec.cases_per_combination))
     total = sum(j.size for j in jobs)
     per_case = alpha / max(total, 1)
-    bar = _progress(sum(job.size for j, job in enumerate(jobs) if j % count == index - 1), progress)
+    mine = range(index - 1, len(jobs), count)  # the shard's interleaved share
+    bar = _progress(sum(jobs[j].size for j in mine), progress)
     stop = jobs_stop
     for j, job in enumerate(jobs):
         report = job.report
-        if j % count != index - 1:
+        if j not in mine:
             report.status = OTHER_SHARD
             continue
         if stop:
