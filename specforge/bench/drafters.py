@@ -103,7 +103,29 @@ class DraftersBench(BaseModel):
 _MEDUSA_TREE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
                 [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
 _VOCAB = 8192
+# The DSpark recipe study (docs/training.md): the shipped drafter's
+# architecture on the `medium` data (~640 of the target's own answers), one change per arm, every
+# arm at the same wall-clock budget, so learning.png answers "which change buys held-out τ̂ per
+# CPU-hour".  Data changes (T = 0 answers) are a second run of the same preset with
+# `overrides=[data.regenerate.temperature=0]` and its own `out`.
+_SHIPPED_DSPARK = {"name": "dspark", "layers": 2, "gamma": 7, "draft_vocab": _VOCAB,
+                   "head": {"name": "markov", "rank": 256},
+                   "confidence": {"name": "dspark-head", "rank": 256, "embedding": "head"}}
 BENCH_PRESETS: dict[str, dict[str, Any]] = {
+    "recipe": {
+        "train": ["medium"],
+        "budget_minutes": 20.0,
+        "prompts": 4,
+        "max_new_tokens": 96,
+        "out": "runs/recipe",
+        "methods": {
+            "base": {"drafter": _SHIPPED_DSPARK},
+            # the last two target layers: the closest to the next-token law the drafter learns
+            "init-28-29": {"drafter": {**_SHIPPED_DSPARK, "init_from_target": [28, 29]}},
+            "full-vocab": {"drafter": {**_SHIPPED_DSPARK, "draft_vocab": None}},
+            "ce-heavy": {"drafter": {**_SHIPPED_DSPARK, "loss": {"ce_weight": 1.0, "tv_weight": 0.9}}},
+        },
+    },
     "paper": {
         "methods": {
             "dspark-2": {"drafter": {"name": "dspark", "layers": 2, "gamma": 7, "draft_vocab": _VOCAB},
