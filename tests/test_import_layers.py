@@ -33,10 +33,12 @@ TOOLKIT = "specforge.toolkit"
 # Leaf modules of the runtime the toolkit may stand on (no specforge imports beyond each other and
 # the public layer): the projection's kernel plan and compiled-op registry, the batch layout and
 # the cache directory a step curve measures with and is kept in, the machine key, a target's shape
-# (ModelArgs) a checkpoint format checks a recorded target against.
+# (ModelArgs) a checkpoint format checks a recorded target against, the conversation files.
 LEAVES = {"specforge.target", "specforge.target.args", "specforge.target.batch", "specforge.target.loading",
           "specforge.target.linear_plan", "specforge.target.bands", "specforge.target.compiled", "specforge.machine",
-          "specforge_kernels", "specforge_kernels.varlen_attention"}
+          "specforge_kernels", "specforge_kernels.varlen_attention",
+          # the conversation files a drafter's corpus is read from (toolkit.corpus)
+          "specforge.data", "specforge.data.jsonl", "specforge.data.chat"}
 # A plug-in's own method: the modules of one unit may import each other.  The packages'
 # registration modules (``__init__``) may import every unit below them.
 UNITS = [
@@ -45,6 +47,7 @@ UNITS = [
     ("specforge_plugins.drafters.eagle3",),
     ("specforge_plugins.drafters.medusa",),
     ("specforge_plugins.drafters.ngram",),
+    ("specforge_plugins.drafters.suffix",),
     ("specforge_plugins.drafters.compose",),
     ("specforge_plugins.drafters.shipped",),
     ("specforge_plugins.verifiers",),

@@ -10,7 +10,7 @@ import pytest
 
 from specforge.config import EngineConfig
 from specforge.data.chat import Conversation
-from specforge.data.regenerate import (
+from specforge.data.regeneration import (
     MANIFEST,
     RegenerationError,
     iter_regenerated,

@@ -1,6 +1,6 @@
 """The shipped drafters.
 
-``ngram`` (prompt lookup) needs no trained model; ``dspark`` and ``dflash`` are the parallel block
+``ngram`` (prompt lookup) and ``suffix`` (lookup in the target's own answers) need no trained model; ``dspark`` and ``dflash`` are the parallel block
 drafters, ``medusa`` the heads on the target's last hidden state and ``eagle3`` EAGLE-3's one-layer
 autoregressive drafter (docs/design/drafters.md), each from a checkpoint or a seeded random
 initialisation.  Importing this package makes the drafters shipped in it nameable as
@@ -21,10 +21,12 @@ from specforge_plugins.drafters.eagle3.formats import EAGLE3_FORMATS
 from specforge_plugins.drafters.medusa.formats import MEDUSA_FORMATS
 from specforge_plugins.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaTraining
 from specforge_plugins.drafters.ngram import NgramConfig, NgramDrafter
+from specforge_plugins.drafters.suffix import SuffixConfig, SuffixDrafter
 from specforge_plugins.drafters.shipped import shipped_drafters
 
 __all__ = ["ComposeConfig", "ComposeDrafter", "DFlashConfig", "DFlashDrafter", "DSparkConfig", "DSparkDrafter", "Eagle3Config", "Eagle3Drafter",
-           "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter"]
+           "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter",
+           "SuffixConfig", "SuffixDrafter"]
 
 # Here rather than in the hook: a checkpoint is loaded without the host too (scripts, tests), and
 # any import of a drafter module runs this package first.
@@ -63,6 +65,12 @@ def specforge_register_drafters(register):
              examples=({}, {"gamma": 2, "max_ngram": 2}, {"gamma": 7, "min_ngram": 2}),
              description="prompt lookup: propose what followed the most recent earlier "
                          "occurrence of the last n tokens (no model)")
+    # No corpus in the examples: what it learns from the requests it sees finish is enough on a
+    # tiny vocabulary, and a case's later requests then draw on its earlier ones.
+    register("suffix", SuffixDrafter, config=SuffixConfig, deterministic=True, parallel=False,
+             provides=("confidence",), examples=({"gamma": 4, "min_context": 1}, {"gamma": 2, "max_context": 2}),
+             description="suffix lookup: propose the most frequent continuation of the last tokens in the "
+                         "target's own answers (a corpus, and the outputs it has seen finish)")
     register("dspark", DSparkDrafter, config=DSparkConfig, parallel=True, uses_correction_head=True,
              provides=("probs", "logits", "hidden"), examples=_BLOCK_EXAMPLES, training=BlockTraining,
              formats=DSPARK_FORMATS,

@@ -166,7 +166,7 @@ def regenerate_answers(config: Any, target: Any, out_dir: Path, log: Callable[[s
                        progress: bool = True) -> Path:
     """Answer the conversations' user turns with the target (resumes a partial run; a complete
     one is reused as it is).  Returns the output directory."""
-    from specforge.data.regenerate import regenerate
+    from specforge.data.regeneration import regenerate
 
     regen = config.data.regenerate
     directory = regenerated_dir(config, out_dir)
@@ -189,7 +189,7 @@ def load_sequences(config: Any, target: Any, out_dir: Path, log: Callable[[str],
     ``data.regenerate.enabled``: :func:`regenerate_answers` must have run) tokenised with the chat
     template, keeping those with at least one anchor (an assistant token followed by another)."""
     from specforge.data import tokenize_conversation
-    from specforge.data.regenerate import iter_regenerated
+    from specforge.data.regeneration import iter_regenerated
 
     data = config.data
     if data.regenerate.enabled:
