@@ -69,7 +69,7 @@ class SuffixDrafter:
         self._learned: list[list[int]] = []  # finished outputs, oldest first
         self._learned_index: SuffixIndex | None = None
         self._indexed = 0  # learned tokens the index holds
-        self._open: dict[int, tuple[int, list[int]]] = {}  # request id → (prompt length, its last history)
+        self._open: dict[int, tuple[int, torch.Tensor]] = {}  # request id → (prompt length, its last history)
 
     def bind(self, target: Any) -> None:
         """Tokenise the corpus with the target's tokenizer and index it."""
@@ -83,9 +83,9 @@ class SuffixDrafter:
 
     def release(self, request_id: int) -> None:
         """Learn the finished request's output (what it wrote after its prompt)."""
-        prompt_len, history = self._open.pop(request_id, (0, []))
-        if self.config.learn and len(history) > prompt_len:
-            self._learned.append(history[prompt_len:])
+        prompt_len, history = self._open.pop(request_id, (0, None))
+        if self.config.learn and history is not None and len(history) > prompt_len:
+            self._learned.append(history[prompt_len:].tolist())
             kept = sum(map(len, self._learned))
             while kept > self.config.learn_tokens and len(self._learned) > 1:
                 kept -= len(self._learned.pop(0))
@@ -95,10 +95,11 @@ class SuffixDrafter:
         cap = ctx.max_tokens.clamp(0, self.gamma).tolist()
         proposals = []
         for rid, history, room in zip(ctx.request_ids, ctx.histories, cap):
-            ids = history.reshape(-1).tolist()
-            prompt_len = self._open.get(rid, (len(ids) - 1, []))[0]
-            self._open[rid] = (prompt_len, ids)
-            proposals.append(self._propose(ids, room))
+            history = history.reshape(-1)
+            # the first history a request shows is its prompt and the anchor: its output starts there
+            prompt_len = self._open.get(rid, (len(history) - 1, None))[0]
+            self._open[rid] = (prompt_len, history)  # kept as it is, read once at release
+            proposals.append(self._propose(history[-self.config.max_context:].tolist(), room))
         g = max([len(p.tokens) for p in proposals if p is not None] + [0])
         tokens = torch.zeros(len(proposals), g, dtype=torch.long)
         confidence = torch.zeros(len(proposals), g)
