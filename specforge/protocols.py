@@ -15,6 +15,7 @@ protocol                  method                                      kinds
 ========================  ==========================================  ============================
 :class:`Binds`            ``bind(target)``                            any but the verifier
 :class:`CompanionWeights` ``companion_weights() -> {slot: weights}``  drafter
+:class:`Learns`           ``forget()``                                drafter
 :class:`LoadsWeights`     ``load_weights(weights)``                   correction head, confidence
 :class:`Restricts`        ``restrict(token_rows)``                    correction head, confidence
 :class:`SharesHead`       ``share(correction_head)``                  confidence
@@ -40,7 +41,7 @@ from specforge.errors import SpecforgeError
 from specforge.hardware import DraftCost
 
 __all__ = ["OPTIONAL", "Binds", "CompanionWeights", "ComponentContractError", "DraftCostAware", "DraftGate",
-           "LoadsWeights", "ObservesRounds", "Restricts", "SharesHead", "check_optional"]
+           "Learns", "LoadsWeights", "ObservesRounds", "Restricts", "SharesHead", "check_optional"]
 
 
 class ComponentContractError(SpecforgeError, TypeError):
@@ -100,6 +101,15 @@ class DraftCostAware(Protocol):
 
 
 @runtime_checkable
+class Learns(Protocol):
+    """A drafter that learns from the requests it serves (e.g. ``suffix`` indexes finished outputs).
+    ``forget()`` returns it to its configured state: a measurement calls it before each prompt set
+    so that no set is drafted from answers to its own prompts (docs/evaluation.md)."""
+
+    def forget(self) -> None: ...
+
+
+@runtime_checkable
 class ObservesRounds(Protocol):
     """A calibrator told, after each verified chain round, what the round showed."""
 
@@ -108,7 +118,7 @@ class ObservesRounds(Protocol):
 
 # Per pipeline slot, the optional protocols the engine calls (and so checks).
 OPTIONAL: dict[str, tuple[type, ...]] = {
-    "drafter": (Binds, CompanionWeights),
+    "drafter": (Binds, CompanionWeights, Learns),
     "correction_head": (Binds, LoadsWeights, Restricts),
     "confidence": (Binds, LoadsWeights, Restricts, SharesHead),
     "calibrator": (Binds, ObservesRounds),

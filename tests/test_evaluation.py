@@ -204,3 +204,26 @@ def test_eval_cli_needs_a_drafter(tiny_run):
                           f"target.model={root / 'model'}", "target.dtype=float32", "--dataset", str(prompts),
                           "--out", str(root / "eval-bad")], capture_output=True, text=True)
     assert bad.returncode != 0 and "no drafter" in bad.stderr
+
+
+def test_a_learning_drafter_forgets_before_each_set_and_temperature(tiny_run, monkeypatch):
+    """No set is drafted from answers to its own prompts: a drafter that learns from finished
+    requests (``suffix``) is returned to its configured state before every set × temperature."""
+    from specforge.config import load_pipeline
+    from specforge.evaluation import EvalSettings, evaluate
+    from specforge_plugins.drafters import SuffixDrafter
+
+    root, _, prompts = tiny_run
+    learned_at_forget = []
+    forget = SuffixDrafter.forget
+    monkeypatch.setattr(SuffixDrafter, "forget",
+                        lambda self: (learned_at_forget.append(len(self._learned)), forget(self)))
+    config = root / "suffix.yaml"
+    config.write_text(f"target: {{model: '{root / 'model'}', dtype: float32}}\n"
+                      "drafter: {name: suffix, gamma: 3, min_context: 1}\n"
+                      "scheduler: {name: fixed}\nverifier: {name: rejection}\n")
+    pipeline = load_pipeline(str(config))
+    evaluate(pipeline, EvalSettings(datasets=[str(prompts)], prompts=2, temperatures=(0.0, 1.0), max_new_tokens=6,
+                                    speedup=False, progress=False))
+    # the warm-up's request, then the T = 0 set's two, were learned — and forgotten before the next job
+    assert learned_at_forget == [1, 2]

@@ -16,6 +16,7 @@ from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.errors import SpecforgeError
 from specforge.plugins import PluginHost
+from specforge.protocols import Learns
 from specforge.sampling import SamplingParams
 from specforge.target import TargetModel
 from specforge.toolkit.corpus import answer_documents
@@ -142,6 +143,20 @@ def test_a_finished_request_s_output_is_learned_and_the_oldest_go_first():
     # 6 learned tokens at most: request 1's 4 (and 2's 1) went first
     assert drafter.draft(context([[10, 11]], [5])).lengths.tolist() == [0]
     assert drafter.draft(context([[9, 20]], [6])).tokens[0].tolist()[:2] == [21, 22]
+
+
+def test_forget_drops_the_learned_outputs_and_keeps_the_corpus(tmp_path):
+    _write_corpus(tmp_path / "a.jsonl", ["7 8"])
+    drafter = SuffixDrafter(SuffixConfig(corpus=[str(tmp_path)], min_context=1))
+    drafter.bind(_Target())
+    drafter.draft(context([[1, 2]], [1]))
+    drafter.draft(context([[1, 2, 3, 4]], [1]))
+    drafter.release(1)
+    assert isinstance(drafter, Learns)
+    assert drafter.draft(context([[2]], [2])).tokens[0, 0].item() == 3
+    drafter.forget()
+    assert drafter.draft(context([[2]], [3])).lengths.tolist() == [0]
+    assert drafter.draft(context([[7]], [4])).tokens[0].tolist() == [8]
 
 
 def test_learning_off_learns_nothing():

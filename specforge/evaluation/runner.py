@@ -39,6 +39,7 @@ from specforge.config import EngineConfig, PipelineConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest, RequestOutput
 from specforge.errors import ConfigError
 from specforge.evalsets import apply_chat_template, select_prompts
+from specforge.protocols import Learns
 
 __all__ = ["EvalSettings", "aggregate", "evaluate", "parse_arms"]
 
@@ -178,6 +179,8 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
             warmed = True
         for engine in engines:
             engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
+            if isinstance(engine.drafter, Learns):  # no set drafted from answers to its own prompts
+                engine.drafter.forget()
         head_before = getattr(drafter, "head_seconds", 0.0)
         outs, seconds = _timed(spec, _requests(ids, temperature, settings))
         head = getattr(drafter, "head_seconds", 0.0) - head_before

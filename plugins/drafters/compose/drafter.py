@@ -35,7 +35,7 @@ from torch import Tensor
 
 from specforge.components import ComponentWeights, DraftBlock, DraftContext, TargetFeatures
 from specforge.errors import ConfigError
-from specforge.protocols import Binds, SharesHead, check_optional
+from specforge.protocols import Binds, Learns, SharesHead, check_optional
 from specforge.toolkit.companions import attach_companions, companions_of
 from specforge_plugins.drafters.compose.config import MAX_TREE_NODES, ComposeConfig
 
@@ -168,6 +168,12 @@ class ComposeDrafter:
             m.drafter.release(request_id)
             if m.backlog is not None:
                 m.backlog.release(request_id)
+
+    def forget(self) -> None:
+        """Every learning member forgets what it learned (:class:`specforge.protocols.Learns`)."""
+        for m in self.members:
+            if isinstance(m.drafter, Learns):
+                m.drafter.forget()
 
     # -- one round -------------------------------------------------------------------------------
 

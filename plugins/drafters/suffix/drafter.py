@@ -90,6 +90,10 @@ class SuffixDrafter:
             while kept > self.config.learn_tokens and len(self._learned) > 1:
                 kept -= len(self._learned.pop(0))
 
+    def forget(self) -> None:
+        """Drop the learned outputs (the corpus stays): :class:`specforge.protocols.Learns`."""
+        self._learned, self._learned_index, self._indexed = [], None, 0
+
     def draft(self, ctx: DraftContext) -> DraftBlock:
         self._refresh()
         cap = ctx.max_tokens.clamp(0, self.gamma).tolist()
