@@ -53,6 +53,14 @@ def test_wheel_contains_every_entry_point_module_and_preset(tmp_path):
         for f in ("config.json", "model.safetensors", "MODEL_CARD.md"):
             data = zipfile.ZipFile(wheel).read(f"specforge_plugins/drafters/shipped/{d.name}/{f}")
             assert data == (d / f).read_bytes(), f"{d.name}/{f}"
+    # So do the suffix drafter's corpora: every file of each, byte-identical.
+    corpora = REPO / "plugins" / "drafters" / "suffix" / "corpora"
+    shipped_corpora = [d for d in corpora.iterdir() if (d / "CORPUS.md").is_file()]
+    assert shipped_corpora, "no shipped corpus in the source tree"
+    for d in shipped_corpora:
+        for f in d.iterdir():
+            data = zipfile.ZipFile(wheel).read(f"specforge_plugins/drafters/suffix/corpora/{d.name}/{f.name}")
+            assert data == f.read_bytes(), f"{d.name}/{f.name}"
 
 
 def test_the_repository_root_shadows_no_installed_package():

@@ -188,6 +188,10 @@ def test_split_turns():
     assert kept == [user("a"), user("b"), user("c")] and cuts == [2, 3]
     sharegpt = [{"from": "system", "value": "s"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "r"}]
     assert split_turns(sharegpt) == ([{"role": "system", "content": "s"}, user("q")], [2])
+    # a blank user message is no prompt: neither it nor a reply to it is kept (the loaders refuse
+    # a conversation whose only user turn is blank, so its answer would be unreadable training data)
+    assert split_turns([user(" "), bot("x"), user("q"), bot("r")]) == ([user("q")], [1])
+    assert split_turns([user(""), bot("x")]) == ([], [])
 
 
 def test_target_sampling_reads_only_what_the_checkpoint_sets():

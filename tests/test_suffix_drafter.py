@@ -4,6 +4,7 @@ it learns from finished requests, and greedy parity in the engine."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,3 +195,16 @@ def test_greedy_parity_in_the_engine_and_a_repeated_prompt_is_drafted_from_the_f
     assert first.token_ids == want and second.token_ids == want
     # the second answer is the first one again: drafted from it, and accepted
     assert second.stats.accepted >= len(want) // 2 > first.stats.accepted
+
+
+def test_a_shipped_corpus_is_named_and_an_unknown_one_lists_the_shipped():
+    from specforge_plugins.drafters.suffix.corpora import resolve_corpus, shipped_corpora
+
+    shipped = shipped_corpora()
+    assert "smollm2-135m-instruct" in shipped
+    path = resolve_corpus("shipped:smollm2-135m-instruct", "drafter.corpus.0")
+    assert sorted(p.name for p in Path(path).glob("regen-*.jsonl"))  # a regenerated-data directory
+    assert resolve_corpus("runs/answers", "drafter.corpus.0") == "runs/answers"
+    with pytest.raises(SpecforgeError, match=r"drafter.corpus.1: 'shipped:nope' is no shipped corpus; "
+                                             r"shipped: shipped:smollm2-135m-instruct"):
+        resolve_corpus("shipped:nope", "drafter.corpus.1")

@@ -105,12 +105,15 @@ def split_turns(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, str]
     run of user messages with no reply between them is one turn (answered once, after its last
     message); an assistant message that answers no user message (one opening the conversation,
     or a second in a row) is dropped with the rest.  A conversation that ends on a user message
-    gets that message answered too.
+    gets that message answered too.  A blank user message is no prompt (the loaders' rule,
+    :attr:`~specforge.data.chat.Conversation.has_user_turn`): it is dropped, and so is a reply to it.
     """
     kept: list[dict[str, str]] = []
     cuts: list[int] = []
     for raw in messages:
         m = normalize_message(raw)
+        if m["role"] == "user" and not m["content"].strip():
+            continue
         if m["role"] == "assistant":
             if kept and kept[-1]["role"] == "user" and (not cuts or cuts[-1] < len(kept)):
                 cuts.append(len(kept))

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specforge.components import DraftBlock, DraftContext
 from specforge.errors import SpecforgeError
 from specforge.toolkit.corpus import answer_documents
+from specforge_plugins.drafters.suffix.corpora import resolve_corpus
 from specforge_plugins.drafters.suffix.index import MAX_TOKEN, Proposal, SuffixIndex
 
 __all__ = ["SuffixConfig", "SuffixDrafter"]
@@ -41,7 +42,8 @@ class SuffixConfig(BaseModel):
     gamma: int = Field(8, ge=1, description="most tokens proposed per round")
     corpus: list[str] = Field(default_factory=list,
                               description="JSONL files of conversations, or directories of them, whose "
-                                          "assistant turns are searched (e.g. a regenerated-data directory)")
+                                          "assistant turns are searched (e.g. a regenerated-data directory), "
+                                          "or shipped:<name> for a corpus shipped with specforge")
     learn: bool = Field(True, description="also search the outputs of requests this drafter has seen finish")
     learn_tokens: int = Field(200_000, ge=1, description="learned output tokens kept (the oldest go first)")
     max_context: int = Field(6, ge=1, description="longest context matched first")
@@ -77,8 +79,8 @@ class SuffixDrafter:
             raise SpecforgeError(f"drafter suffix: a vocabulary of {target.vocab_size:,} ids does not fit "
                                  f"the index (at most {MAX_TOKEN + 1:,})")
         if self.config.corpus:
-            documents = answer_documents(self.config.corpus, lambda text: target.encode(text, chat=False),
-                                         key="drafter.corpus")
+            paths = [resolve_corpus(entry, f"drafter.corpus.{i}") for i, entry in enumerate(self.config.corpus)]
+            documents = answer_documents(paths, lambda text: target.encode(text, chat=False), key="drafter.corpus")
             self._corpus = SuffixIndex(documents, self._width)
 
     def release(self, request_id: int) -> None:
