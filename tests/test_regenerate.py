@@ -194,6 +194,16 @@ def test_split_turns():
     assert split_turns([user(""), bot("x")]) == ([], [])
 
 
+def test_the_source_fingerprint_is_what_it_was_before_blank_prompts_were_dropped():
+    # The value the code before that change computed (commit 6d83554): a directory regenerated
+    # then is still recognised as made from the same conversations, and resumes or is reused.
+    from specforge.data.regeneration import _fingerprint
+
+    conversations = [Conversation(id="blank", messages=[user("  "), bot("x"), user("q")]),
+                     Conversation(id="plain", messages=[{"role": "system", "content": "s"}, user("hi"), bot("r")])]
+    assert _fingerprint(conversations) == "8240e4369b263e29be5b536dd07e96f263ff98ba68d82d50dbac84ceed5a0b2d"
+
+
 def test_target_sampling_reads_only_what_the_checkpoint_sets():
     from transformers import GenerationConfig
 

@@ -168,11 +168,13 @@ def _dumps(obj: Any) -> str:
 
 
 def _fingerprint(conversations: Sequence[Conversation]) -> str:
-    """Hash of every id and the messages regeneration keeps, in order (answers do not matter)."""
+    """Hash of every id and its messages but the answers, in order (answers do not matter).
+    Taken before :func:`split_turns` drops anything, so a change to what it keeps (blank
+    prompts) does not orphan directories written before it."""
     h = hashlib.sha256()
     for c in conversations:
-        kept, _ = split_turns(c.messages)
-        h.update(_dumps([c.id, kept]).encode("utf-8"))
+        prompts = [m for m in map(normalize_message, c.messages) if m["role"] != "assistant"]
+        h.update(_dumps([c.id, prompts]).encode("utf-8"))
         h.update(b"\n")
     return h.hexdigest()
 
