@@ -1,10 +1,10 @@
 """The shipped drafters.
 
-``ngram`` (prompt lookup) and ``suffix`` (lookup in the target's own answers) need no trained model; ``dspark`` and ``dflash`` are the parallel block
-drafters, ``medusa`` the heads on the target's last hidden state and ``eagle3`` EAGLE-3's one-layer
-autoregressive drafter (docs/design/drafters.md), each from a checkpoint or a seeded random
-initialisation.  Importing this package makes the drafters shipped in it nameable as
-``shipped:<name>`` checkpoints.
+``ngram`` (prompt lookup) and ``suffix`` (lookup in the target's own answers) need no trained
+model; ``dspark`` and ``dflash`` are the parallel block drafters, ``medusa`` the heads on the
+target's last hidden state and ``eagle3`` EAGLE-3's one-layer autoregressive drafter
+(docs/design/drafters.md), each from a checkpoint or a seeded random initialisation.  Importing
+this package makes the drafters shipped in it nameable as ``shipped:<name>`` checkpoints.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ class DraftersBench(BaseModel):
 _MEDUSA_TREE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
                 [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
 _VOCAB = 8192
-# The DSpark recipe study (docs/training.md): the shipped drafter's
+# The DSpark recipe study (docs/comparison.md#recipe): the shipped drafter's
 # architecture on the `medium` data (~640 of the target's own answers), one change per arm, every
 # arm at the same wall-clock budget, so learning.png answers "which change buys held-out τ̂ per
 # CPU-hour".  Data changes (T = 0 answers) are a second run of the same preset with

@@ -50,4 +50,3 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(f"specforge.data.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'specforge.data' has no attribute {name!r}")
-
