@@ -69,6 +69,7 @@ class SuffixDrafter:
         self._width = self.config.max_context + self.gamma
         self._corpus: SuffixIndex | None = None
         self._learned: list[list[int]] = []  # finished outputs, oldest first
+        self._learned_tokens = 0  # their total length (kept, not summed again every round)
         self._learned_index: SuffixIndex | None = None
         self._indexed = 0  # learned tokens the index holds
         self._open: dict[int, tuple[int, torch.Tensor]] = {}  # request id → (prompt length, its last history)
@@ -88,13 +89,13 @@ class SuffixDrafter:
         prompt_len, history = self._open.pop(request_id, (0, None))
         if self.config.learn and history is not None and len(history) > prompt_len:
             self._learned.append(history[prompt_len:].tolist())
-            kept = sum(map(len, self._learned))
-            while kept > self.config.learn_tokens and len(self._learned) > 1:
-                kept -= len(self._learned.pop(0))
+            self._learned_tokens += len(self._learned[-1])
+            while self._learned_tokens > self.config.learn_tokens and len(self._learned) > 1:
+                self._learned_tokens -= len(self._learned.pop(0))
 
     def forget(self) -> None:
         """Drop the learned outputs (the corpus stays): :class:`specforge.protocols.Learns`."""
-        self._learned, self._learned_index, self._indexed = [], None, 0
+        self._learned, self._learned_index, self._indexed, self._learned_tokens = [], None, 0, 0
 
     def draft(self, ctx: DraftContext) -> DraftBlock:
         self._refresh()
@@ -137,7 +138,7 @@ class SuffixDrafter:
         learned token logarithmic however many requests finish."""
         if not self.config.learn:
             return
-        total = sum(map(len, self._learned))
+        total = self._learned_tokens
         if total - self._indexed > self._indexed // 4 or total < self._indexed:
             self._learned_index = SuffixIndex(self._learned, self._width)
             self._indexed = total
