@@ -117,10 +117,10 @@ class EngineConfig(BaseModel):
     )
     prefill_chunk: int | Literal["auto", "off"] = Field(
         "auto",
-        description="prompt tokens prefilled per pass while other requests decode, in the same flattened pass "
-        "as their rows (chunked prefill): a long prompt then never stalls the batch; auto: the pass size past "
-        "which this machine's cost per token stops falling (measured with the target's precision); off: each "
-        "admitted prompt whole, in a pass of its own",
+        description="tokens of each waiting prompt prefilled per round while other requests decode, in the "
+        "same flattened pass as their rows (chunked prefill): a long prompt then never stalls the batch; auto: "
+        "the pass size past which this machine's cost per token stops falling (measured with the target's "
+        "precision); off: each admitted prompt whole, in a pass of its own",
     )
 
     @field_validator("prefill_chunk")

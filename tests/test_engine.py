@@ -282,9 +282,25 @@ def test_chunked_prefill_rides_in_the_decoding_pass(target, host, drafter, monke
     assert mixed, "no prompt chunk shared a pass with decoding requests"
     for passes, advanced in mixed:
         assert passes == 1  # the chunk rode in the decoding requests' pass
-        assert sum(advanced.values()) <= 5
+        assert max(advanced.values()) <= 5
     outs = [engine.take_output(i) for i in range(len(ps))]
     assert [o.token_ids for o in outs] == [hf_greedy(target, p, n) for p, n in zip(ps, new)]
+
+
+def test_every_waiting_prompt_prefills_its_own_chunk_each_round(target, host, monkeypatch):
+    # 4 slots: one long request decodes while three short ones finish together; the three prompts
+    # admitted into their slots then advance a chunk each per round, not one chunk between them
+    ps = [p * 2 for p in prompts(7)]
+    engine = make_engine(target, host, batch=4, chunk=5)
+    for i, p in enumerate(ps):
+        engine.submit(GenerationRequest(prompt_ids=p, ignore_eos=True, max_new_tokens=40 if i == 0 else 6))
+    steps = _passes_per_step(engine, monkeypatch)
+    mixed = [advanced for passes, advanced, emitted in steps if advanced and emitted - set(advanced)]
+    assert any(len(advanced) == 3 for advanced in mixed), "the three freed slots' prompts did not prefill together"
+    for advanced in mixed:
+        assert max(advanced.values()) <= 5 and len(advanced) <= 3
+    assert [engine.take_output(i).token_ids for i in range(len(ps))] == [
+        hf_greedy(target, p, 40 if i == 0 else 6) for i, p in enumerate(ps)]
 
 
 def test_prefill_off_runs_each_admitted_prompt_whole_in_its_own_pass(target, host, monkeypatch):
