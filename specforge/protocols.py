@@ -21,7 +21,7 @@ protocol                  method                                      kinds
 :class:`SharesHead`       ``share(correction_head)``                  confidence
 :class:`DraftGate`        ``draft_gate(num_requests) -> bool``        scheduler
 :class:`DraftCostAware`   ``bind_draft_cost(measure)``                scheduler
-:class:`ObservesRounds`   ``observe(outcome)``                        calibrator
+:class:`ObservesRounds`   ``observe(outcome)``                        calibrator, scheduler
 ========================  ==========================================  ============================
 
 Whether a verifier takes token trees is not a method: it is declared when it registers
@@ -111,7 +111,8 @@ class Learns(Protocol):
 
 @runtime_checkable
 class ObservesRounds(Protocol):
-    """A calibrator told, after each verified chain round, what the round showed."""
+    """A calibrator or scheduler told, after each verified chain round, what the round showed
+    (never before its own round is scheduled)."""
 
     def observe(self, outcome: RoundOutcome) -> None: ...
 
@@ -122,7 +123,7 @@ OPTIONAL: dict[str, tuple[type, ...]] = {
     "correction_head": (Binds, LoadsWeights, Restricts),
     "confidence": (Binds, LoadsWeights, Restricts, SharesHead),
     "calibrator": (Binds, ObservesRounds),
-    "scheduler": (Binds, DraftGate, DraftCostAware),
+    "scheduler": (Binds, DraftGate, DraftCostAware, ObservesRounds),
     "verifier": (),
 }
 

@@ -1,8 +1,9 @@
 """What drafting costs (ρ(R)) and the draft gate of the hardware-aware schedulers.
 
 Behaviour only: the cost curve's lookup and file, that ρ makes admission more generous and never
-changes the paper's rule at ρ = 0, that the gate closes where drafting does not pay and looks
-again every ``probe_every + 1`` rounds, and that ``draft_cost: auto`` measures the engine's own
+changes the paper's rule at ρ = 0, that the gate closes where drafting does not pay — judged by
+what verified rounds committed, once the engine reports them — and looks again every
+``probe_every + 1`` rounds, and that ``draft_cost: auto`` measures the engine's own
 drafting once, caches it and leaves the engine as it found it.  Never how fast anything ran.
 """
 
@@ -15,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specforge.components import RoundOutcome
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.hardware import DraftCost, HardwareProfile, HardwareProfileError
@@ -97,6 +99,51 @@ def test_the_gate_stays_open_where_drafting_pays():
     assert all(s.draft_gate(2) for _ in range(20))
     s.reset()
     assert s.draft_gate(2)
+
+
+def _outcome(accepted, verified):
+    n = len(accepted)
+    return RoundOutcome(request_ids=list(range(n)), confidence=torch.full((n, 4), 0.95),
+                        available=torch.full((n,), 4), verified=torch.tensor(verified),
+                        accepted=torch.tensor(accepted), temperature=torch.zeros(n))
+
+
+@pytest.mark.parametrize("cls,config", [(HwPrefixScheduler, HardwareConfig), (AsyncTopKScheduler, AsyncTopKConfig)])
+def test_the_gate_goes_by_what_verified_rounds_committed_not_what_they_promised(cls, config):
+    promising = torch.full((2, 4), 0.95)  # the round's confidences promise a gain (1.23 on this curve)
+    kept = _hw(cls, config, draft_cost=0.1)
+    lengths = kept.schedule(promising, torch.full((2,), 4))
+    assert lengths.sum() > 0
+    kept.observe(_outcome(lengths.tolist(), lengths.tolist()))  # every verified draft accepted
+    assert all(kept.draft_gate(2) for _ in range(20))
+    broken = _hw(cls, config, draft_cost=0.1, probe_every=3)
+    lengths = broken.schedule(promising, torch.full((2,), 4))
+    broken.observe(_outcome([0, 0], lengths.tolist()))  # none accepted: the round lost to plain decoding
+    assert [broken.draft_gate(2) for _ in range(4)] == [False, False, False, True]  # closed; a look
+    lengths = broken.schedule(promising, torch.full((2,), 4))
+    broken.observe(_outcome([0, 0], lengths.tolist()))  # the look promised a gain and lost again
+    assert [broken.draft_gate(2) for _ in range(7)] == [False] * 6 + [True]  # so the wait doubled
+
+
+def test_the_engine_reports_each_verified_round_to_a_scheduler_that_observes():
+    seen = []
+    host = PluginHost().load()
+    target = TargetModel(tiny_model("llama", seed=7, vocab=96, eos=None), None, torch.float32, name="tiny")
+
+    class Observing:
+        def schedule(self, confidence, available):
+            return available
+
+        def observe(self, outcome):
+            seen.append(outcome)
+
+    e = Engine(target, host.create_verifier("rejection"), drafter=host.create_drafter("ngram", {"gamma": 3}),
+               confidence=host.create_confidence("constant", {}), calibrator=host.create_calibrator("identity", {}),
+               scheduler=Observing(), sampling=SamplingConfig(temperature=0.0, max_new_tokens=8),
+               engine=EngineConfig(max_batch=2, max_context=64))
+    out = e.generate([GenerationRequest(prompt_ids=[5, 6, 5, 6, 5, 6], max_new_tokens=8)])[0]
+    assert seen and sum(int(o.accepted.sum()) for o in seen) == out.stats.accepted
+    assert all(o.verified.tolist() == o.available.tolist() for o in seen)  # the lengths it scheduled
 
 
 def test_draft_cost_defaults_to_auto_only_with_a_measured_step_curve():

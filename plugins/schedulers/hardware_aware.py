@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 from torch import Tensor
 
+from specforge.components import RoundOutcome
 from specforge.hardware import DraftCost, HardwareProfile
 from specforge.toolkit.admission import admission_path, causal_count, global_count
 from specforge.toolkit.step_curve import machine_profile
@@ -65,9 +66,13 @@ class _HardwareAware:
     for drafts, the drafting alone makes speculation slower than plain decoding.  Before anything
     is drafted the engine asks :meth:`draft_gate`; the answer compares, over the last drafted
     rounds at about the same load (R in the same power-of-two band; max(4, ⌈256 / R⌉) rounds),
-    the expected throughput of the round the scheduler chose (drafting included) with plain
-    decoding's R·SPS(R) (a band not reached yet goes by the band above).  Where drafting did not
-    pay (mean modelled gain below 1) the round runs plain, and after
+    the throughput of the round the scheduler chose (drafting included) with plain decoding's
+    R·SPS(R) (a band not reached yet goes by the band above).  A round's throughput is first the
+    one its confidences promise; once the engine reports the verified round (``observe``), the
+    tokens it actually committed replace the promise, priced by the same step curve — so
+    optimistic confidences (an n-gram match, a corpus share, a miscalibrated head) cannot keep
+    the gate open where drafting loses.  Where drafting did not pay (mean gain below 1) the
+    round runs plain, and after
     ``probe_every`` such rounds one drafts again to look — the wait doubling after every look
     that finds drafting still does not pay (up to 16 × ``probe_every``), so a load where it never
     pays costs almost nothing in looks.  The gate reads
@@ -98,6 +103,7 @@ class _HardwareAware:
         self._gains: dict[int, deque[float]] = {}
         self._skipped: dict[int, int] = {}
         self._wait: dict[int, int] = {}
+        self._pending: int | None = None  # R of the drafted round whose outcome is not reported yet
 
     def bind(self, target: Any) -> None:
         if self.profile is None:
@@ -121,6 +127,7 @@ class _HardwareAware:
 
     def draft_gate(self, num_requests: int) -> bool:
         """Whether this round drafts at all (see the class docstring)."""
+        self._settle()
         if not self._rho(num_requests):
             return True
         band = num_requests.bit_length()
@@ -142,22 +149,44 @@ class _HardwareAware:
         return True
 
     def _admit(self, path: Any, theta: Tensor, n: int) -> Tensor:
-        """Verify lengths of the first ``n`` candidates; note what the round gains over plain
-        decoding (Θ_n ÷ R·SPS(R)) for the gate."""
+        """Verify lengths of the first ``n`` candidates; note what the round promises over plain
+        decoding (Θ_n ÷ R·SPS(R)) for the gate, until its outcome replaces it."""
+        self._settle()
         r = path.num_requests
         if r and self.draft_cost is not None:
-            band = r.bit_length()
-            gains = self._gains.setdefault(band, deque(maxlen=max(4, -(-self._GAIN_REQUEST_ROUNDS // r))))
+            gains = self._gains.setdefault(r.bit_length(),
+                                           deque(maxlen=max(4, -(-self._GAIN_REQUEST_ROUNDS // r))))
             gains.append(float(theta[n]) / (r * self._curve().sps(r)))
-            if gains[-1] > 1.0 and band in self._wait:  # a look that paid: look again soon
-                self._wait[band] = self.config.probe_every
+            self._pending = r
         return path.lengths(n)
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        """The verified round's gain, from the tokens it committed (R + accepted drafts) over
+        the time the step curve gives its pass of R + verified rows and its drafting (ρ), in
+        place of the gain its confidences promised."""
+        r = self._pending
+        if r is None:
+            return
+        curve = self._curve()
+        tokens = r + int(outcome.accepted.sum())
+        seconds = 1.0 / curve.sps(r + int(outcome.verified.sum())) + self._rho(r) / curve.sps(r)
+        self._gains[r.bit_length()][-1] = tokens / seconds / (r * curve.sps(r))
+        self._settle()
+
+    def _settle(self) -> None:
+        """Close the books of the last drafted round: a look that paid means look again soon."""
+        if self._pending is None:
+            return
+        band, self._pending = self._pending.bit_length(), None
+        if self._gains[band][-1] > 1.0 and band in self._wait:
+            self._wait[band] = self.config.probe_every
 
     def reset(self) -> None:
         """Forget the gate's history (between independent runs)."""
         self._gains.clear()
         self._skipped.clear()
         self._wait.clear()
+        self._pending = None
 
 
 class HwPrefixScheduler(_HardwareAware):

@@ -421,9 +421,11 @@ class Engine:
 
     def _observe(self, states: list[_Active], keep: list[int], block: DraftBlock, lengths: Tensor, accepted: Tensor,
                  sampling: SamplingParams) -> None:
-        """Tell the calibrator (``observe``) and the round observers what the verified round showed."""
-        observes = isinstance(self.calibrator, ObservesRounds)
-        if not observes and not self.round_observers:
+        """Tell the calibrator and the scheduler (``observe``) and the round observers what the
+        verified round showed."""
+        observers = [part.observe for part in (self.calibrator, self.scheduler) if isinstance(part, ObservesRounds)]
+        observers += self.round_observers
+        if not observers:
             return
         index = torch.tensor(keep, dtype=torch.long)
         available = block.lengths.to(torch.long).clamp(max=self._raw_confidence.shape[1])[index]
@@ -431,9 +433,7 @@ class Engine:
                                confidence=self._raw_confidence[index].detach(), available=available,
                                verified=lengths[index].to(torch.long), accepted=accepted.to(torch.long),
                                temperature=sampling.temperature[index])
-        if observes:
-            self.calibrator.observe(outcome)
-        for observer in self.round_observers:
+        for observer in observers:
             observer(outcome)
 
     def _pending_features(self, states: list[_Active]) -> TargetFeatures:
