@@ -81,14 +81,17 @@ def test_without_a_drafting_cost_the_gate_is_always_open():
 def test_the_gate_closes_where_drafting_does_not_pay_and_looks_again(cls, config):
     s = _hw(cls, config, draft_cost=0.5, probe_every=3)
     assert s.draft_gate(2)  # nothing known yet: draft
-    s.schedule(torch.full((2, 4), 0.01), torch.full((2,), 4))  # hopeless drafts: the round loses to plain
-    decisions = [s.draft_gate(2) for _ in range(3 + 1 + 6 + 1 + 12 + 1 + 24 + 1 + 48 + 1 + 48 + 1)]
-    # a look after 3 plain rounds, then after twice as many each time, up to 16 × probe_every
-    assert [i for i, d in enumerate(decisions) if d] == [3, 10, 23, 48, 97, 146]
+    for _ in range(32):  # hopeless drafts: each round loses to plain decoding
+        s.schedule(torch.full((2, 4), 0.01), torch.full((2,), 4))
+        assert s.draft_gate(2) == (_ < 31)  # judged once the band holds 64 request-rounds
+    decisions = [s.draft_gate(2) for _ in range(2 + 1 + 6 + 1 + 12 + 1 + 24 + 1 + 48 + 1 + 48 + 1)]
+    # a look after 3 plain rounds (the first was the last one asked above), then after twice as many each time, up to 16 × probe_every
+    assert [i for i, d in enumerate(decisions) if d] == [2, 9, 22, 47, 96, 145]
     assert not s.draft_gate(3)  # 2 and 3 requests are one load band
     assert s.draft_gate(5)  # a band above has its own history
     assert not s.draft_gate(1)  # a band below not reached yet goes by the band above it
-    s.schedule(torch.full((2, 4), 0.99), torch.full((2,), 4))  # a look that paid: look again soon
+    for _ in range(3):  # a look that paid: look again soon (async-topk's capacity lags two rounds)
+        s.schedule(torch.full((2, 4), 0.99), torch.full((2,), 4))
     # (after 3 plain rounds of the band; the 3-request round above was the first of them)
     assert [s.draft_gate(2) for _ in range(3)] == [False, False, True]
 
@@ -110,15 +113,23 @@ def _outcome(accepted, verified):
 
 @pytest.mark.parametrize("cls,config", [(HwPrefixScheduler, HardwareConfig), (AsyncTopKScheduler, AsyncTopKConfig)])
 def test_the_gate_goes_by_what_verified_rounds_committed_not_what_they_promised(cls, config):
-    promising = torch.full((2, 4), 0.95)  # the round's confidences promise a gain (1.23 on this curve)
+    promising = torch.full((2, 4), 0.95)  # the rounds' confidences promise a gain (1.23 on this curve)
+
+    def rounds(scheduler, accept):
+        for _ in range(32):  # 64 request-rounds: enough for the gate to judge
+            lengths = scheduler.schedule(promising, torch.full((2,), 4))
+            assert lengths.sum() > 0
+            scheduler.observe(_outcome(accept(lengths), lengths.tolist()))
+
     kept = _hw(cls, config, draft_cost=0.1)
-    lengths = kept.schedule(promising, torch.full((2,), 4))
-    assert lengths.sum() > 0
-    kept.observe(_outcome(lengths.tolist(), lengths.tolist()))  # every verified draft accepted
+    rounds(kept, lambda lengths: lengths.tolist())  # every verified draft accepted
     assert all(kept.draft_gate(2) for _ in range(20))
+    unheard = _hw(cls, config, draft_cost=0.1)  # never told an outcome: goes by the promise
+    for _ in range(32):
+        unheard.schedule(promising, torch.full((2,), 4))
+    assert all(unheard.draft_gate(2) for _ in range(20))
     broken = _hw(cls, config, draft_cost=0.1, probe_every=3)
-    lengths = broken.schedule(promising, torch.full((2,), 4))
-    broken.observe(_outcome([0, 0], lengths.tolist()))  # none accepted: the round lost to plain decoding
+    rounds(broken, lambda lengths: [0, 0])  # none accepted: every round lost to plain decoding
     assert [broken.draft_gate(2) for _ in range(4)] == [False, False, False, True]  # closed; a look
     lengths = broken.schedule(promising, torch.full((2,), 4))
     broken.observe(_outcome([0, 0], lengths.tolist()))  # the look promised a gain and lost again
