@@ -81,11 +81,12 @@ def test_without_a_drafting_cost_the_gate_is_always_open():
 def test_the_gate_closes_where_drafting_does_not_pay_and_looks_again(cls, config):
     s = _hw(cls, config, draft_cost=0.5, probe_every=3)
     assert s.draft_gate(2)  # nothing known yet: draft
-    for _ in range(32):  # hopeless drafts: each round loses to plain decoding
+    for i in range(32):  # hopeless drafts: each round loses to plain decoding
         s.schedule(torch.full((2, 4), 0.01), torch.full((2,), 4))
-        assert s.draft_gate(2) == (_ < 31)  # judged once the band holds 64 request-rounds
+        assert s.draft_gate(2) == (i < 31)  # judged once the band holds 64 request-rounds
     decisions = [s.draft_gate(2) for _ in range(2 + 1 + 6 + 1 + 12 + 1 + 24 + 1 + 48 + 1 + 48 + 1)]
-    # a look after 3 plain rounds (the first was the last one asked above), then after twice as many each time, up to 16 × probe_every
+    # a look after 3 plain rounds (the first was the last one asked above), then after twice as
+    # many each time, up to 16 × probe_every
     assert [i for i, d in enumerate(decisions) if d] == [2, 9, 22, 47, 96, 145]
     assert not s.draft_gate(3)  # 2 and 3 requests are one load band
     assert s.draft_gate(5)  # a band above has its own history

@@ -36,6 +36,11 @@ class HardwareConfig(BaseModel):
                                   "or null: 'auto' with profile: auto, else 0 (drafting hidden behind verification, "
                                   "the paper's rule)"
     )
+    judge_after: PositiveInt = Field(
+        default=64, description="request-rounds (requests × drafted rounds) at a load before the draft gate judges "
+                                "whether drafting pays there: a round's realised gain is all or nothing at one "
+                                "request, and a gate judging one round shuts on the first unlucky one"
+    )
     probe_every: PositiveInt = Field(
         default=16, description="once drafting stopped paying at some load, rounds without drafting before one "
                                 "round drafts again to look; doubled after each look that finds it still does not "
@@ -71,7 +76,7 @@ class _HardwareAware:
     tokens it actually committed replace the promise, priced by the same step curve — so
     optimistic confidences (an n-gram match, a corpus share, a miscalibrated head) cannot keep
     the gate open where drafting loses.  Where drafting did not pay (the rounds' throughput below
-    plain decoding's, judged once they hold 4 rounds and 64 request-rounds) the round runs plain,
+    plain decoding's, judged once they hold ``judge_after`` request-rounds) the round runs plain,
     and after
     ``probe_every`` such rounds one drafts again to look — the wait doubling after every look
     that finds drafting still does not pay (up to 16 × ``probe_every``), so a load where it never
@@ -88,12 +93,11 @@ class _HardwareAware:
     # has already finished (on the shipped drafter's recorded rounds, mean gain 1.00 at R = 1: 30 %
     # of 4-round windows fall below the bar, 6 % of 64-round ones, 2 % of 256-round ones).
     _GAIN_REQUEST_ROUNDS = 256
-    # ... and judges a band only once they hold 4 rounds and 64 request-rounds.  A round's realised gain
-    # is all or nothing at one request (no draft accepted: ≈ 0.7; three: ≈ 2), and a gate judging
-    # the first round or two shut itself on `composed`'s first unlucky round at R = 1, then looked
+    # It judges a band only once that holds `judge_after` (64) request-rounds.  A round's realised
+    # gain is all or nothing at one request (no draft accepted: ≈ 0.7; three: ≈ 2), and a gate
+    # judging the first round shut itself on `composed`'s first unlucky round at R = 1, then looked
     # only every 16…256 rounds: 874 of ≈ 1,500 rounds plain and 1.15× plain decoding, where the
-    # rounds' mean realised gain was 1.2 (docs/design/calibration-scheduling.md).
-    _JUDGE_REQUEST_ROUNDS = 64
+    # rounds' realised gain was 1.21 (docs/design/calibration-scheduling.md).
     # The gate closes where the chosen rounds' gain falls below 1 — where the model itself
     # expects drafting to lose.  No slack below 1: with the window above the mean is steady
     # enough, and the serving benchmark measured the slack's cost (at R = 2 the shipped drafter's
@@ -142,8 +146,7 @@ class _HardwareAware:
         # band above it: where drafting did not pay there, its first look waits `probe_every`
         # rounds instead of drafting at once in every band the falling load passes through.
         rounds = self._rounds.get(band) or self._rounds.get(band + 1)
-        if (not rounds or len(rounds) < 4 or sum(r for *_, r in rounds) < self._JUDGE_REQUEST_ROUNDS
-                or _gain(rounds) >= self._CLOSE_BELOW):
+        if not rounds or sum(r for *_, r in rounds) < self.config.judge_after or _gain(rounds) >= self._CLOSE_BELOW:
             self._wait.pop(band, None)
             return True
         wait = self._wait.setdefault(band, self.config.probe_every)
