@@ -103,6 +103,18 @@ def test_taps_and_hidden_state(target):
     assert set(out.taps) == {0, 2}
 
 
+def test_repeated_logits_rows_are_each_the_rows_logits(target):
+    # the engine repeats a request's last row past its verified drafts; each distinct row is
+    # projected once and handed out at every place it was asked for
+    ids = [3, 17, 42, 9, 11, 5]
+    rows = torch.tensor([0, 2, 2, 2, 5, 1, 5])
+    out = target.forward(VarlenBatch.build([ids], [0], [0]), target.new_cache(1, 32), logits_rows=rows)
+    whole = target.forward(VarlenBatch.build([ids], [0], [0]), target.new_cache(1, 32),
+                           logits_rows=torch.arange(len(ids))).logits
+    assert out.logits.shape == (len(rows), whole.shape[1])
+    torch.testing.assert_close(out.logits, whole[rows])
+
+
 def test_bfloat16_runtime_stays_close(tmp_path):
     path = save_tiny("llama", tmp_path / "m")
     ids = list(range(3, 30))

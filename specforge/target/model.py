@@ -190,8 +190,18 @@ class Transformer(nn.Module):
             trunk = self.compiled
         rope = batch.positions if batch.rope_positions is None else batch.rope_positions
         hidden, tapped = trunk(batch.tokens, rope, tuple(taps), attend)
-        logits = None if logits_rows is None else self.project(hidden[logits_rows])
-        return ForwardOutput(logits=logits, hidden=hidden, taps=tapped)
+        return ForwardOutput(logits=None if logits_rows is None else self._logits(hidden, logits_rows),
+                             hidden=hidden, taps=tapped)
+
+    def _logits(self, hidden: Tensor, rows: Tensor) -> Tensor:
+        """Logits of ``rows``, each distinct row projected once.  The engine's ``[R, γ+1]`` layout
+        repeats a request's last row past its verified drafts: at 16 requests with ≈ 11 drafts
+        verified in all, 85 of the 112 rows were repeats, and projecting each through a 49k-token
+        head made the verify pass cost 1.6 plain steps where its 27 distinct rows cost 1.1."""
+        unique, inverse = torch.unique(rows, return_inverse=True)
+        if len(unique) == len(rows):
+            return self.project(hidden[rows])
+        return self.project(hidden[unique])[inverse]
 
     def trunk(self, tokens: Tensor, positions: Tensor, taps: Collection[int],
               attend: Attend) -> tuple[Tensor, dict[int, Tensor]]:
