@@ -315,8 +315,8 @@ class Engine:
                                   parents=None if parents is None else run_parents)
         # Row j of request r lives at flat index cu[r] + j; pad rows past ℓ_r repeat its last row
         # (the prefill chunks' runs come after every request's and need no logits).
-        # The LM head projects exactly these rows, already in [R, γ+1] order: no second copy of
-        # the (large) logits to regroup them, and plain decoding projects just R rows.
+        # The logits come back in [R, γ+1] order, each distinct row projected once (the target
+        # gathers the repeats), and plain decoding projects just R rows.
         offsets = torch.minimum(torch.arange(g + 1)[None, :], lengths[:, None])
         rows = (batch.cu_seqlens[:len(states), None] + offsets).reshape(-1)
         out = self.target.forward(batch, self.cache, logits_rows=rows, taps=self.taps)
