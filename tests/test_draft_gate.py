@@ -91,10 +91,6 @@ def test_the_gate_closes_where_drafting_does_not_pay_and_looks_again(cls, config
     assert not s.draft_gate(3)  # 2 and 3 requests are one load band
     assert s.draft_gate(5)  # a band above has its own history
     assert not s.draft_gate(1)  # a band below not reached yet goes by the band above it
-    for _ in range(3):  # a look that paid: look again soon (async-topk's capacity lags two rounds)
-        s.schedule(torch.full((2, 4), 0.99), torch.full((2,), 4))
-    # (after 3 plain rounds of the band; the 3-request round above was the first of them)
-    assert [s.draft_gate(2) for _ in range(3)] == [False, False, True]
 
 
 def test_the_gate_stays_open_where_drafting_pays():
@@ -135,6 +131,25 @@ def test_the_gate_goes_by_what_verified_rounds_committed_not_what_they_promised(
     lengths = broken.schedule(promising, torch.full((2,), 4))
     broken.observe(_outcome([0, 0], lengths.tolist()))  # the look promised a gain and lost again
     assert [broken.draft_gate(2) for _ in range(7)] == [False] * 6 + [True]  # so the wait doubled
+
+
+def test_a_look_that_pays_reopens_the_gate_and_the_band_is_judged_afresh():
+    s = _hw(draft_cost=0.1, probe_every=3)
+    promising, available = torch.full((2, 4), 0.95), torch.full((2,), 4)
+
+    def round_(accepted):
+        lengths = s.schedule(promising, available)
+        s.observe(_outcome(accepted(lengths.tolist()), lengths.tolist()))
+
+    for _ in range(32):
+        round_(lambda lengths: [0, 0])  # every round lost: closed
+    assert [s.draft_gate(2) for _ in range(4)] == [False, False, False, True]  # a look
+    round_(lambda lengths: lengths)  # ... that paid: the gate is open again
+    for _ in range(31):  # and judged afresh: 64 request-rounds, the look's among them
+        assert s.draft_gate(2)
+        round_(lambda lengths: [0, 0])
+    # closed again on the new rounds; the wait kept the length the look doubled it to
+    assert [s.draft_gate(2) for _ in range(7)] == [False] * 6 + [True]
 
 
 def test_the_engine_reports_each_verified_round_to_a_scheduler_that_observes():

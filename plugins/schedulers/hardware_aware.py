@@ -79,10 +79,11 @@ class _HardwareAware:
     plain decoding's, judged once they hold ``judge_after`` request-rounds) the round runs plain,
     and after
     ``probe_every`` such rounds one drafts again to look — the wait doubling after every look
-    that finds drafting still does not pay (up to 16 × ``probe_every``), so a load where it never
-    pays costs almost nothing in looks.  The gate reads
-    only rounds already scheduled — nothing of the round it decides exists yet — so it is causal
-    (docs/design/verification.md#causality).
+    (up to 16 × ``probe_every``), so a load where it never pays costs almost nothing in looks.
+    A look that pays reopens the gate, which then judges the band afresh; the wait shortens back
+    to ``probe_every`` only once drafting is found to pay on ``judge_after`` request-rounds.  The
+    gate reads only rounds already verified or scheduled — nothing of the round it decides exists
+    yet — so it is causal (docs/design/verification.md#causality).
     """
 
     config: HardwareConfig
@@ -115,6 +116,7 @@ class _HardwareAware:
         self._skipped: dict[int, int] = {}
         self._wait: dict[int, int] = {}
         self._pending: int | None = None  # R of the drafted round whose outcome is not reported yet
+        self._looking = False  # that round is a look of a closed gate
 
     def bind(self, target: Any) -> None:
         if self.profile is None:
@@ -139,6 +141,7 @@ class _HardwareAware:
     def draft_gate(self, num_requests: int) -> bool:
         """Whether this round drafts at all (see the class docstring)."""
         self._settle()
+        self._looking = False  # a look whose round drafted nothing is no look
         if not self._rho(num_requests):
             return True
         band = num_requests.bit_length()
@@ -146,17 +149,20 @@ class _HardwareAware:
         # band above it: where drafting did not pay there, its first look waits `probe_every`
         # rounds instead of drafting at once in every band the falling load passes through.
         rounds = self._rounds.get(band) or self._rounds.get(band + 1)
-        if not rounds or sum(r for *_, r in rounds) < self.config.judge_after or _gain(rounds) >= self._CLOSE_BELOW:
-            self._wait.pop(band, None)
+        judged = bool(rounds) and sum(r for *_, r in rounds) >= self.config.judge_after
+        if not judged or _gain(rounds) >= self._CLOSE_BELOW:
+            if judged:  # drafting pays here on full evidence: a later closing starts from the first wait
+                self._wait.pop(band, None)
             return True
         wait = self._wait.setdefault(band, self.config.probe_every)
         skipped = self._skipped.get(band, 0) + 1
         if skipped <= wait:
             self._skipped[band] = skipped
             return False
-        # Look again; if this look finds drafting still does not pay, wait twice as long.
+        # Look again; the next look (should this one not pay) waits twice as long.
         self._skipped[band] = 0
         self._wait[band] = min(2 * wait, 16 * self.config.probe_every)
+        self._looking = True
         return True
 
     def _admit(self, path: Any, theta: Tensor, n: int) -> Tensor:
@@ -191,12 +197,19 @@ class _HardwareAware:
         rounds.append((tokens / (r * self._curve().sps(r)), seconds, r))
 
     def _settle(self) -> None:
-        """Close the books of the last drafted round: a look that paid means look again soon."""
+        """Close the books of the last drafted round.  A look that paid reopens the gate: the
+        rounds that closed it are dropped, and the band is judged afresh once it has drafted
+        ``judge_after`` request-rounds again.  (Kept, they outweighed every later look: at one
+        request a window of up to 256 rounds took as many paying looks, 16 or more rounds apart, to
+        turn, and `composed` ran whole prompt sets plain that it had drafted at 1.17×.)"""
         if self._pending is None:
             return
-        band, self._pending = self._pending.bit_length(), None
-        if _gain([self._rounds[band][-1]]) > 1.0 and band in self._wait:
-            self._wait[band] = self.config.probe_every
+        rounds, self._pending = self._rounds[self._pending.bit_length()], None
+        if self._looking and _gain([rounds[-1]]) > 1.0:
+            last = rounds[-1]
+            rounds.clear()
+            rounds.append(last)
+        self._looking = False
 
     def reset(self) -> None:
         """Forget the gate's history (between independent runs)."""
@@ -204,6 +217,7 @@ class _HardwareAware:
         self._skipped.clear()
         self._wait.clear()
         self._pending = None
+        self._looking = False
 
 
 def _gain(rounds: Any) -> float:
