@@ -15,7 +15,7 @@ protocol                  method                                      kinds
 ========================  ==========================================  ============================
 :class:`Binds`            ``bind(target)``                            any but the verifier
 :class:`CompanionWeights` ``companion_weights() -> {slot: weights}``  drafter
-:class:`Learns`           ``forget()``                                drafter
+:class:`Learns`           ``forget()``                                drafter, scheduler
 :class:`LoadsWeights`     ``load_weights(weights)``                   correction head, confidence
 :class:`Restricts`        ``restrict(token_rows)``                    correction head, confidence
 :class:`SharesHead`       ``share(correction_head)``                  confidence
@@ -102,9 +102,11 @@ class DraftCostAware(Protocol):
 
 @runtime_checkable
 class Learns(Protocol):
-    """A drafter that learns from the requests it serves (e.g. ``suffix`` indexes finished outputs).
-    ``forget()`` returns it to its configured state: a measurement calls it before each prompt set
-    so that no set is drafted from answers to its own prompts (docs/evaluation.md)."""
+    """A drafter or scheduler that learns from what it serves (``suffix`` indexes finished outputs,
+    a hardware-aware scheduler's draft gate weighs the rounds it saw).  ``forget()`` returns it to
+    its configured state: a measurement calls it before each prompt set and temperature, so that
+    no set is drafted from answers to its own prompts, nor gated by another set's rounds
+    (docs/evaluation.md)."""
 
     def forget(self) -> None: ...
 
@@ -123,7 +125,7 @@ OPTIONAL: dict[str, tuple[type, ...]] = {
     "correction_head": (Binds, LoadsWeights, Restricts),
     "confidence": (Binds, LoadsWeights, Restricts, SharesHead),
     "calibrator": (Binds, ObservesRounds),
-    "scheduler": (Binds, DraftGate, DraftCostAware, ObservesRounds),
+    "scheduler": (Binds, DraftGate, DraftCostAware, ObservesRounds, Learns),
     "verifier": (),
 }
 

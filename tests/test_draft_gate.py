@@ -1,8 +1,8 @@
 """What drafting costs (ρ(R)) and the draft gate of the hardware-aware schedulers.
 
 Behaviour only: the cost curve's lookup and file, that ρ makes admission more generous and never
-changes the paper's rule at ρ = 0, that the gate closes where drafting does not pay — judged by
-what verified rounds committed, once the engine reports them — and looks again every
+changes the paper's rule at ρ = 0, that the gate closes where drafting does not pay — what the
+rounds promise, scaled by how the promises of reported rounds held — and looks again every
 ``probe_every + 1`` rounds, and that ``draft_cost: auto`` measures the engine's own
 drafting once, caches it and leaves the engine as it found it.  Never how fast anything ran.
 """
@@ -81,23 +81,23 @@ def test_without_a_drafting_cost_the_gate_is_always_open():
 def test_the_gate_closes_where_drafting_does_not_pay_and_looks_again(cls, config):
     s = _hw(cls, config, draft_cost=0.5, probe_every=3)
     assert s.draft_gate(2)  # nothing known yet: draft
-    for i in range(32):  # hopeless drafts: each round loses to plain decoding
-        s.schedule(torch.full((2, 4), 0.01), torch.full((2,), 4))
-        assert s.draft_gate(2) == (i < 31)  # judged once the band holds 64 request-rounds
-    decisions = [s.draft_gate(2) for _ in range(2 + 1 + 6 + 1 + 12 + 1 + 24 + 1 + 48 + 1 + 48 + 1)]
-    # a look after 3 plain rounds (the first was the last one asked above), then after twice as
-    # many each time, up to 16 × probe_every
-    assert [i for i, d in enumerate(decisions) if d] == [2, 9, 22, 47, 96, 145]
+    s.schedule(torch.full((2, 4), 0.01), torch.full((2,), 4))  # hopeless drafts: the round loses to plain
+    decisions = [s.draft_gate(2) for _ in range(3 + 1 + 6 + 1 + 12 + 1 + 24 + 1 + 48 + 1 + 48 + 1)]
+    # a look after 3 plain rounds, then after twice as many each time, up to 16 × probe_every
+    assert [i for i, d in enumerate(decisions) if d] == [3, 10, 23, 48, 97, 146]
     assert not s.draft_gate(3)  # 2 and 3 requests are one load band
     assert s.draft_gate(5)  # a band above has its own history
     assert not s.draft_gate(1)  # a band below not reached yet goes by the band above it
+    s.schedule(torch.full((2, 4), 0.99), torch.full((2,), 4))  # a look that paid: look again soon
+    # (after 3 plain rounds of the band; the 3-request round above was the first of them)
+    assert [s.draft_gate(2) for _ in range(3)] == [False, False, True]
 
 
 def test_the_gate_stays_open_where_drafting_pays():
     s = _hw(draft_cost=0.1)
     s.schedule(torch.full((2, 4), 0.95), torch.full((2,), 4))
     assert all(s.draft_gate(2) for _ in range(20))
-    s.reset()
+    s.forget()
     assert s.draft_gate(2)
 
 
@@ -109,47 +109,44 @@ def _outcome(accepted, verified):
 
 
 @pytest.mark.parametrize("cls,config", [(HwPrefixScheduler, HardwareConfig), (AsyncTopKScheduler, AsyncTopKConfig)])
-def test_the_gate_goes_by_what_verified_rounds_committed_not_what_they_promised(cls, config):
-    promising = torch.full((2, 4), 0.95)  # the rounds' confidences promise a gain (1.23 on this curve)
+def test_the_gate_scales_what_rounds_promise_by_how_the_promises_held(cls, config):
+    promising, available = torch.full((2, 4), 0.95), torch.full((2,), 4)  # a gain of 1.23 on this curve
 
-    def rounds(scheduler, accept):
-        for _ in range(32):  # 64 request-rounds: enough for the gate to judge
-            lengths = scheduler.schedule(promising, torch.full((2,), 4))
+    def rounds(scheduler, accept, n=32):
+        for _ in range(n):
+            assert scheduler.draft_gate(2)
+            lengths = scheduler.schedule(promising, available)
             assert lengths.sum() > 0
-            scheduler.observe(_outcome(accept(lengths), lengths.tolist()))
+            scheduler.observe(_outcome(accept(lengths.tolist()), lengths.tolist()))
 
     kept = _hw(cls, config, draft_cost=0.1)
-    rounds(kept, lambda lengths: lengths.tolist())  # every verified draft accepted
-    assert all(kept.draft_gate(2) for _ in range(20))
-    unheard = _hw(cls, config, draft_cost=0.1)  # never told an outcome: goes by the promise
+    rounds(kept, lambda lengths: lengths)  # every verified draft accepted: more than promised
+    assert kept.promises_held() > 1 and all(kept.draft_gate(2) for _ in range(20))
+    unheard = _hw(cls, config, draft_cost=0.1)  # never told an outcome: goes by the promises
     for _ in range(32):
-        unheard.schedule(promising, torch.full((2,), 4))
-    assert all(unheard.draft_gate(2) for _ in range(20))
+        unheard.schedule(promising, available)
+    assert unheard.promises_held() == 1 and all(unheard.draft_gate(2) for _ in range(20))
     broken = _hw(cls, config, draft_cost=0.1, probe_every=3)
-    rounds(broken, lambda lengths: [0, 0])  # none accepted: every round lost to plain decoding
+    rounds(broken, lambda lengths: [0, 0], n=31)  # none accepted, but not yet 64 request-rounds reported
+    assert broken.promises_held() == 1
+    rounds(broken, lambda lengths: [0, 0], n=1)
+    assert broken.promises_held() < 0.5
     assert [broken.draft_gate(2) for _ in range(4)] == [False, False, False, True]  # closed; a look
-    lengths = broken.schedule(promising, torch.full((2,), 4))
-    broken.observe(_outcome([0, 0], lengths.tolist()))  # the look promised a gain and lost again
+    lengths = broken.schedule(promising, available)
+    broken.observe(_outcome([0, 0], lengths.tolist()))  # the look promised a gain that did not hold
     assert [broken.draft_gate(2) for _ in range(7)] == [False] * 6 + [True]  # so the wait doubled
 
 
-def test_a_look_that_pays_reopens_the_gate_and_the_band_is_judged_afresh():
-    s = _hw(draft_cost=0.1, probe_every=3)
-    promising, available = torch.full((2, 4), 0.95), torch.full((2,), 4)
-
-    def round_(accepted):
-        lengths = s.schedule(promising, available)
-        s.observe(_outcome(accepted(lengths.tolist()), lengths.tolist()))
-
-    for _ in range(32):
-        round_(lambda lengths: [0, 0])  # every round lost: closed
-    assert [s.draft_gate(2) for _ in range(4)] == [False, False, False, True]  # a look
-    round_(lambda lengths: lengths)  # ... that paid: the gate is open again
-    for _ in range(31):  # and judged afresh: 64 request-rounds, the look's among them
-        assert s.draft_gate(2)
-        round_(lambda lengths: [0, 0])
-    # closed again on the new rounds; the wait kept the length the look doubled it to
-    assert [s.draft_gate(2) for _ in range(7)] == [False] * 6 + [True]
+def test_how_promises_held_is_pooled_over_the_last_1024_request_rounds():
+    s = _hw(draft_cost=0.1)
+    promising, available = torch.full((16, 4), 0.95), torch.full((16,), 4)
+    for accept in (0, 1):  # 64 rounds of 16 requests accepting nothing, then 64 accepting all
+        for _ in range(64):
+            lengths = s.schedule(promising, available)
+            s.observe(_outcome((lengths * accept).tolist(), lengths.tolist()))
+    assert s.promises_held() > 1  # the first 64 rounds have left the pool
+    s.forget()
+    assert s.promises_held() == 1
 
 
 def test_the_engine_reports_each_verified_round_to_a_scheduler_that_observes():

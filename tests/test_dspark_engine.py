@@ -42,7 +42,7 @@ def head_config(name: str) -> dict:
 
 # hw-prefix whose drafting costs three plain steps: drafting never pays, so after each drafted
 # round the gate runs two plain rounds (features pile up between drafts).
-GATED = ("hw-prefix", {"sps": [1.0, 0.5, 0.45], "draft_cost": 3.0, "probe_every": 2, "judge_after": 1})
+GATED = ("hw-prefix", {"sps": [1.0, 0.5, 0.45], "draft_cost": 3.0, "probe_every": 2})
 
 
 def make_engine(target, host, drafter=None, head="markov", confidence="dspark-head", batch=3,

@@ -207,23 +207,30 @@ def test_eval_cli_needs_a_drafter(tiny_run):
 
 
 def test_a_learning_drafter_forgets_before_each_set_and_temperature(tiny_run, monkeypatch):
-    """No set is drafted from answers to its own prompts: a drafter that learns from finished
-    requests (``suffix``) is returned to its configured state before every set × temperature."""
+    """No set is drafted from answers to its own prompts, nor gated by another set's rounds: a
+    drafter that learns from finished requests (``suffix``) and a scheduler whose draft gate
+    weighs the rounds it saw are returned to their configured state before every set × temperature."""
     from specforge.config import load_pipeline
     from specforge.evaluation import EvalSettings, evaluate
     from specforge_plugins.drafters import SuffixDrafter
+    from specforge_plugins.schedulers import HwPrefixScheduler
 
     root, _, prompts = tiny_run
-    learned_at_forget = []
+    learned_at_forget, gated_at_forget = [], []
     forget = SuffixDrafter.forget
     monkeypatch.setattr(SuffixDrafter, "forget",
                         lambda self: (learned_at_forget.append(len(self._learned)), forget(self)))
+    forget_gate = HwPrefixScheduler.forget
+    monkeypatch.setattr(HwPrefixScheduler, "forget",
+                        lambda self: (gated_at_forget.append(sum(map(len, self._rounds.values()))), forget_gate(self)))
     config = root / "suffix.yaml"
     config.write_text(f"target: {{model: '{root / 'model'}', dtype: float32}}\n"
                       "drafter: {name: suffix, gamma: 3, min_context: 1}\n"
-                      "scheduler: {name: fixed}\nverifier: {name: rejection}\n")
+                      "scheduler: {name: hw-prefix, sps: [1.0, 0.9, 0.8, 0.7], draft_cost: 0.1}\n"
+                      "verifier: {name: rejection}\n")
     pipeline = load_pipeline(str(config))
     evaluate(pipeline, EvalSettings(datasets=[str(prompts)], prompts=2, temperatures=(0.0, 1.0), max_new_tokens=6,
                                     speedup=False, progress=False))
     # the warm-up's request, then the T = 0 set's two, were learned — and forgotten before the next job
     assert learned_at_forget == [1, 2]
+    assert len(gated_at_forget) == 2 and gated_at_forget[1] > 0  # the T = 0 set's drafted rounds, forgotten

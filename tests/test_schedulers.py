@@ -462,7 +462,7 @@ def test_async_topk_capacity_comes_from_two_calls_back(host):
     assert caps == [1, 1, k_conf, k_doubt, k_doubt]
 
 
-def test_async_topk_initial_capacity_and_reset(host):
+def test_async_topk_initial_capacity_and_forget(host):
     s = host.create_scheduler("async-topk", {"sps": [1.0]})  # initial_capacity = None
     c = conf([[0.9, 0.8, 0.0], [0.5, 0.5, 0.5]])
     a = avail([3, 2])
@@ -471,7 +471,7 @@ def test_async_topk_initial_capacity_and_reset(host):
     assert s.schedule(c, a).tolist() == [2, 2]
     # Compute-bound curve: the search two calls back chose no token.
     assert s.schedule(c, a).tolist() == [0, 0]
-    s.reset()
+    s.forget()
     assert s.schedule(c, a).tolist() == [2, 2]
     assert s.last_capacity is None
 

@@ -37,9 +37,9 @@ class HardwareConfig(BaseModel):
                                   "the paper's rule)"
     )
     judge_after: PositiveInt = Field(
-        default=64, description="request-rounds (requests × drafted rounds) at a load before the draft gate judges "
-                                "whether drafting pays there: a round's realised gain is all or nothing at one "
-                                "request, and a gate judging one round shuts on the first unlucky one"
+        default=64, description="request-rounds (requests × verified rounds) the engine must have reported before "
+                                "the draft gate scales what rounds' confidences promise by how those promises held "
+                                "(tokens committed ÷ tokens promised)"
     )
     probe_every: PositiveInt = Field(
         default=16, description="once drafting stopped paying at some load, rounds without drafting before one "
@@ -70,20 +70,19 @@ class _HardwareAware:
     for drafts, the drafting alone makes speculation slower than plain decoding.  Before anything
     is drafted the engine asks :meth:`draft_gate`; the answer compares, over the last drafted
     rounds at about the same load (R in the same power-of-two band; max(4, ⌈256 / R⌉) rounds),
-    the throughput of the round the scheduler chose (drafting included) with plain decoding's
-    R·SPS(R) (a band not reached yet goes by the band above).  A round's throughput is first the
-    one its confidences promise; once the engine reports the verified round (``observe``), the
-    tokens it actually committed replace the promise, priced by the same step curve — so
-    optimistic confidences (an n-gram match, a corpus share, a miscalibrated head) cannot keep
-    the gate open where drafting loses.  Where drafting did not pay (the rounds' throughput below
-    plain decoding's, judged once they hold ``judge_after`` request-rounds) the round runs plain,
-    and after
-    ``probe_every`` such rounds one drafts again to look — the wait doubling after every look
-    (up to 16 × ``probe_every``), so a load where it never pays costs almost nothing in looks.
-    A look that pays reopens the gate, which then judges the band afresh; the wait shortens back
-    to ``probe_every`` only once drafting is found to pay on ``judge_after`` request-rounds.  The
-    gate reads only rounds already verified or scheduled — nothing of the round it decides exists
-    yet — so it is causal (docs/design/verification.md#causality).
+    the throughput of the rounds the scheduler chose (drafting included) with plain decoding's
+    (a band not reached yet goes by the band above).  A round's throughput is the one its
+    confidences promise, scaled by how the promises of recent rounds held: the engine reports
+    each verified round (``observe``), and once those reports cover ``judge_after``
+    request-rounds, the tokens the rounds committed over the tokens they promised scales every
+    promise — so optimistic confidences (an n-gram match, a corpus share, a miscalibrated head)
+    cannot keep the gate open where drafting loses, while the promises still follow each
+    stretch of context.  Where drafting did not pay (the rounds' throughput below plain
+    decoding's) the round runs plain, and after ``probe_every`` such rounds one drafts again to
+    look — the wait doubling after every look that finds drafting still does not pay (up to
+    16 × ``probe_every``), so a load where it never pays costs almost nothing in looks.  The
+    gate reads only rounds already verified or scheduled — nothing of the round it decides
+    exists yet — so it is causal (docs/design/verification.md#causality).
     """
 
     config: HardwareConfig
@@ -94,11 +93,11 @@ class _HardwareAware:
     # has already finished (on the shipped drafter's recorded rounds, mean gain 1.00 at R = 1: 30 %
     # of 4-round windows fall below the bar, 6 % of 64-round ones, 2 % of 256-round ones).
     _GAIN_REQUEST_ROUNDS = 256
-    # It judges a band only once that holds `judge_after` (64) request-rounds.  A round's realised
-    # gain is all or nothing at one request (no draft accepted: ≈ 0.7; three: ≈ 2), and a gate
-    # judging the first round shut itself on `composed`'s first unlucky round at R = 1, then looked
-    # only every 16…256 rounds: 874 of ≈ 1,500 rounds plain and 1.15× plain decoding, where the
-    # rounds' realised gain was 1.21 (docs/design/calibration-scheduling.md).
+    # How the promises held is pooled over the last 1,024 request-rounds reported, every load
+    # together.  Not the committed tokens alone in the window: a round's is all or nothing at one
+    # request (no draft accepted: a gain of ≈ 0.7; three: ≈ 2), and a gate that judged those shut
+    # on unlucky stretches of prompts that `composed` drafts at 1.2× (whole prompt sets plain).
+    _HELD_REQUEST_ROUNDS = 1024
     # The gate closes where the chosen rounds' gain falls below 1 — where the model itself
     # expects drafting to lose.  No slack below 1: with the window above the mean is steady
     # enough, and the serving benchmark measured the slack's cost (at R = 2 the shipped drafter's
@@ -111,12 +110,15 @@ class _HardwareAware:
         self._auto_cost = cost == "auto" or (cost is None and self.config.profile == "auto")
         self.draft_cost: DraftCost | None = DraftCost(cost) if isinstance(cost, float) and cost > 0 else None
         # per load band (R.bit_length()): recent drafted rounds as (seconds plain decoding takes for
-        # the tokens they committed, seconds they took, R), plain rounds since the last look, current wait
-        self._rounds: dict[int, deque[tuple[float, float, int]]] = {}
+        # the tokens they promised, seconds they take), plain rounds since the last look, current wait
+        self._rounds: dict[int, deque[tuple[float, float]]] = {}
         self._skipped: dict[int, int] = {}
         self._wait: dict[int, int] = {}
-        self._pending: int | None = None  # R of the drafted round whose outcome is not reported yet
-        self._looking = False  # that round is a look of a closed gate
+        # reported rounds as (R, tokens promised, tokens committed), their running sums, and the
+        # round awaiting its report
+        self._held: deque[tuple[int, float, int]] = deque()
+        self._held_sums = [0, 0.0, 0]
+        self._pending: tuple[int, float] | None = None
 
     def bind(self, target: Any) -> None:
         if self.profile is None:
@@ -140,8 +142,6 @@ class _HardwareAware:
 
     def draft_gate(self, num_requests: int) -> bool:
         """Whether this round drafts at all (see the class docstring)."""
-        self._settle()
-        self._looking = False  # a look whose round drafted nothing is no look
         if not self._rho(num_requests):
             return True
         band = num_requests.bit_length()
@@ -149,81 +149,70 @@ class _HardwareAware:
         # band above it: where drafting did not pay there, its first look waits `probe_every`
         # rounds instead of drafting at once in every band the falling load passes through.
         rounds = self._rounds.get(band) or self._rounds.get(band + 1)
-        judged = bool(rounds) and sum(r for *_, r in rounds) >= self.config.judge_after
-        if not judged or _gain(rounds) >= self._CLOSE_BELOW:
-            if judged:  # drafting pays here on full evidence: a later closing starts from the first wait
-                self._wait.pop(band, None)
+        if not rounds or _gain(rounds) * self.promises_held() >= self._CLOSE_BELOW:
+            self._wait.pop(band, None)
             return True
         wait = self._wait.setdefault(band, self.config.probe_every)
         skipped = self._skipped.get(band, 0) + 1
         if skipped <= wait:
             self._skipped[band] = skipped
             return False
-        # Look again; the next look (should this one not pay) waits twice as long.
+        # Look again; if this look finds drafting still does not pay, wait twice as long.
         self._skipped[band] = 0
         self._wait[band] = min(2 * wait, 16 * self.config.probe_every)
-        self._looking = True
         return True
 
+    def promises_held(self) -> float:
+        """Tokens the reported rounds committed over the tokens their confidences promised (1
+        until the reports cover ``judge_after`` request-rounds)."""
+        requests, promised, committed = self._held_sums
+        return 1.0 if requests < self.config.judge_after else committed / promised
+
     def _admit(self, path: Any, theta: Tensor, n: int) -> Tensor:
-        """Verify lengths of the first ``n`` candidates; note what the round promises (Θ_n) for
-        the gate, until its outcome replaces it."""
-        self._settle()
+        """Verify lengths of the first ``n`` candidates; note what the round promises over plain
+        decoding (Θ_n ÷ R·SPS(R)) for the gate."""
         r = path.num_requests
+        self._pending = None
         if r and self.draft_cost is not None:
-            seconds = self._seconds(r, n)
-            self._note(r, float(theta[n]) * seconds, seconds)
-            self._pending = r
+            curve = self._curve()
+            seconds = 1.0 / curve.sps(r + n) + self._rho(r) / curve.sps(r)
+            tokens = float(theta[n]) * seconds  # τ_n: R plus the expected accepted drafts
+            rounds = self._rounds.setdefault(r.bit_length(),
+                                             deque(maxlen=max(4, -(-self._GAIN_REQUEST_ROUNDS // r))))
+            rounds.append((tokens / (r * curve.sps(r)), seconds))
+            self._pending = (r, tokens)
+            if _gain([rounds[-1]]) * self.promises_held() > 1.0 and r.bit_length() in self._wait:
+                self._wait[r.bit_length()] = self.config.probe_every  # a look that paid: look again soon
         return path.lengths(n)
 
     def observe(self, outcome: RoundOutcome) -> None:
-        """The verified round's committed tokens (R + accepted drafts), in place of what its
-        confidences promised, over the time the step curve gives its pass of R + verified rows
-        and its drafting (ρ)."""
-        r = self._pending
-        if r is None:
-            return
-        self._rounds[r.bit_length()].pop()
-        self._note(r, r + int(outcome.accepted.sum()), self._seconds(r, int(outcome.verified.sum())))
-        self._settle()
-
-    def _seconds(self, r: int, verified: int) -> float:
-        """A round's time by the step curve: its pass of R + ``verified`` rows, and its drafting."""
-        curve = self._curve()
-        return 1.0 / curve.sps(r + verified) + self._rho(r) / curve.sps(r)
-
-    def _note(self, r: int, tokens: float, seconds: float) -> None:
-        rounds = self._rounds.setdefault(r.bit_length(), deque(maxlen=max(4, -(-self._GAIN_REQUEST_ROUNDS // r))))
-        rounds.append((tokens / (r * self._curve().sps(r)), seconds, r))
-
-    def _settle(self) -> None:
-        """Close the books of the last drafted round.  A look that paid reopens the gate: the
-        rounds that closed it are dropped, and the band is judged afresh once it has drafted
-        ``judge_after`` request-rounds again.  (Kept, they outweighed every later look: at one
-        request a window of up to 256 rounds took as many paying looks, 16 or more rounds apart, to
-        turn, and `composed` ran whole prompt sets plain that it had drafted at 1.17×.)"""
+        """How the scheduled round's promise held: the tokens it committed (R + accepted drafts)."""
         if self._pending is None:
             return
-        rounds, self._pending = self._rounds[self._pending.bit_length()], None
-        if self._looking and _gain([rounds[-1]]) > 1.0:
-            last = rounds[-1]
-            rounds.clear()
-            rounds.append(last)
-        self._looking = False
+        (r, promised), self._pending = self._pending, None
+        self._hold(1, (r, promised, r + int(outcome.accepted.sum())))
+        while self._held_sums[0] - self._held[0][0] >= self._HELD_REQUEST_ROUNDS:
+            self._hold(-1, self._held.popleft())
 
-    def reset(self) -> None:
-        """Forget the gate's history (between independent runs)."""
+    def _hold(self, sign: int, entry: tuple[int, float, int]) -> None:
+        if sign > 0:
+            self._held.append(entry)
+        self._held_sums = [total + sign * value for total, value in zip(self._held_sums, entry)]
+
+    def forget(self) -> None:
+        """Forget the gate's history (between independent runs; :class:`specforge.protocols.Learns`)."""
         self._rounds.clear()
         self._skipped.clear()
         self._wait.clear()
+        self._held.clear()
+        self._held_sums = [0, 0.0, 0]
         self._pending = None
-        self._looking = False
 
 
 def _gain(rounds: Any) -> float:
-    """Rounds' throughput over plain decoding's: the seconds plain decoding takes for what they
-    committed, over the seconds they took (a ratio of sums: a long round weighs as long as it ran)."""
-    return sum(plain for plain, _, _ in rounds) / sum(seconds for _, seconds, _ in rounds)
+    """Rounds' throughput over plain decoding's: the seconds plain decoding takes for the tokens
+    they promise, over the seconds they take (a ratio of sums: a long round weighs as long as it runs)."""
+    return sum(plain for plain, _ in rounds) / sum(seconds for _, seconds in rounds)
 
 
 class HwPrefixScheduler(_HardwareAware):
@@ -272,7 +261,7 @@ class AsyncTopKScheduler(_HardwareAware):
     decision, and ranking by a prefix product keeps the admitted set prefix-closed.
 
     The capacity counts draft tokens, not the flattened batch B = R + K, so it carries over
-    unchanged when requests join or leave between rounds.  Call :meth:`reset` between
+    unchanged when requests join or leave between rounds.  Call :meth:`forget` between
     independent runs.
     """
 
@@ -283,8 +272,8 @@ class AsyncTopKScheduler(_HardwareAware):
         self._ahead: deque[int] = deque()  # capacities computed by earlier calls, oldest first
         self.last_capacity: int | None = None  # the K used by the latest call (None = no cap)
 
-    def reset(self) -> None:
-        super().reset()
+    def forget(self) -> None:
+        super().forget()
         self._ahead.clear()
         self.last_capacity = None
 

@@ -179,8 +179,10 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
             warmed = True
         for engine in engines:
             engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
-            if isinstance(engine.drafter, Learns):  # no set drafted from answers to its own prompts
-                engine.drafter.forget()
+            # no set drafted from answers to its own prompts, nor gated by another set's rounds
+            for part in (engine.drafter, engine.scheduler):
+                if isinstance(part, Learns):
+                    part.forget()
         head_before = getattr(drafter, "head_seconds", 0.0)
         outs, seconds = _timed(spec, _requests(ids, temperature, settings))
         head = getattr(drafter, "head_seconds", 0.0) - head_before
