@@ -190,14 +190,12 @@ class _HardwareAware:
         if self._pending is None:
             return
         (r, promised), self._pending = self._pending, None
-        self._hold(1, (r, promised, r + int(outcome.accepted.sum())))
+        entry = (r, promised, r + int(outcome.accepted.sum()))
+        self._held.append(entry)
+        self._held_sums = [total + value for total, value in zip(self._held_sums, entry)]
         while self._held_sums[0] - self._held[0][0] >= self._HELD_REQUEST_ROUNDS:
-            self._hold(-1, self._held.popleft())
-
-    def _hold(self, sign: int, entry: tuple[int, float, int]) -> None:
-        if sign > 0:
-            self._held.append(entry)
-        self._held_sums = [total + sign * value for total, value in zip(self._held_sums, entry)]
+            oldest = self._held.popleft()
+            self._held_sums = [total - value for total, value in zip(self._held_sums, oldest)]
 
     def forget(self) -> None:
         """Forget the gate's history (between independent runs; :class:`specforge.protocols.Learns`)."""
