@@ -12,7 +12,7 @@ from torch import Tensor
 
 from specforge.components import RoundOutcome
 from specforge.hardware import DraftCost, HardwareProfile
-from specforge.toolkit.admission import admission_path, causal_count, global_count
+from specforge.toolkit.admission import admission_path, causal_count, global_count, round_seconds
 from specforge.toolkit.step_curve import machine_profile
 
 __all__ = ["AsyncTopKConfig", "AsyncTopKScheduler", "HardwareConfig", "HwPrefixScheduler"]
@@ -175,7 +175,7 @@ class _HardwareAware:
         self._pending = None
         if r and self.draft_cost is not None:
             curve = self._curve()
-            seconds = 1.0 / curve.sps(r + n) + self._rho(r) / curve.sps(r)
+            seconds = round_seconds(curve, r, n, self._rho(r))
             tokens = float(theta[n]) * seconds  # τ_n: R plus the expected accepted drafts
             rounds = self._rounds.setdefault(r.bit_length(),
                                              deque(maxlen=max(4, -(-self._GAIN_REQUEST_ROUNDS // r))))

@@ -14,13 +14,14 @@ Schedulers differ only in how they pick n from Θ_0..Θ_N; they all live on this
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from specforge.hardware import HardwareProfile
 
-__all__ = ["AdmissionPath", "admission_path", "causal_count", "global_count", "masked_confidence"]
+__all__ = ["AdmissionPath", "admission_path", "causal_count", "global_count", "masked_confidence", "round_seconds"]
 
 
 def masked_confidence(confidence: Tensor, available: Tensor) -> tuple[Tensor, Tensor]:
@@ -91,7 +92,13 @@ class AdmissionPath:
         batch = r + torch.arange(len(self) + 1, device=self.survival.device, dtype=torch.float64)
         if not draft_cost:
             return tau * profile.sps(batch)
-        return tau / (1.0 / profile.sps(batch) + draft_cost / profile.sps(max(r, 1)))
+        return tau / round_seconds(profile, r, batch - r, draft_cost)
+
+
+def round_seconds(profile: HardwareProfile, num_requests: int, verified: Any, draft_cost: float) -> Any:
+    """A round's time by the step curve: its pass of R + ``verified`` rows (an int or a tensor of
+    them) and its drafting, ρ plain steps of R requests."""
+    return 1.0 / profile.sps(num_requests + verified) + draft_cost / profile.sps(max(num_requests, 1))
 
 
 def admission_path(confidence: Tensor, available: Tensor) -> AdmissionPath:
