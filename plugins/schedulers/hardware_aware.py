@@ -168,7 +168,7 @@ class _HardwareAware:
         requests, promised, committed = self._held_sums
         return 1.0 if requests < self.config.judge_after else committed / promised
 
-    def _admit(self, path: Any, theta: Tensor, n: int) -> Tensor:
+    def _admit(self, path: Any, n: int) -> Tensor:
         """Verify lengths of the first ``n`` candidates; note what the round promises over plain
         decoding (Θ_n ÷ R·SPS(R)) for the gate."""
         r = path.num_requests
@@ -176,7 +176,7 @@ class _HardwareAware:
         if r and self.draft_cost is not None:
             curve = self._curve()
             seconds = round_seconds(curve, r, n, self._rho(r))
-            tokens = float(theta[n]) * seconds  # τ_n: R plus the expected accepted drafts
+            tokens = r + float(path.survival[:n].sum())  # τ_n: R plus the expected accepted drafts
             rounds = self._rounds.setdefault(r.bit_length(),
                                              deque(maxlen=max(4, -(-self._GAIN_REQUEST_ROUNDS // r))))
             rounds.append((tokens / (r * curve.sps(r)), seconds))
@@ -229,7 +229,7 @@ class HwPrefixScheduler(_HardwareAware):
     def schedule(self, confidence: Tensor, available: Tensor) -> Tensor:
         path = admission_path(confidence, available)
         theta = path.throughput(self._curve(), self._rho(path.num_requests))
-        return self._admit(path, theta, causal_count(theta))
+        return self._admit(path, causal_count(theta))
 
 
 class AsyncTopKConfig(HardwareConfig):
@@ -282,4 +282,4 @@ class AsyncTopKScheduler(_HardwareAware):
         self._ahead.append(global_count(theta))
         self.last_capacity = capacity
         n = len(path) if capacity is None else min(capacity, len(path))
-        return self._admit(path, theta, n)
+        return self._admit(path, n)

@@ -22,8 +22,8 @@ A newly admitted prompt (all of it but the anchor) is prefilled in chunks of
 requests' pass, as extra runs after theirs that need no logits (chunked prefill): a long prompt
 costs the batch a little more per round for a few rounds instead of one long stall.  When
 nothing is decoding, the waiting prompts are prefilled whole in one pass and decode in the same
-step; a tree round (whose runs are at most 64 tokens) prefills its chunks in a pass of their own.  A request
-decodes from the round after its last chunk.
+step; a tree round (whose runs are at most 64 tokens) prefills its chunks in a pass of their
+own.  A request decodes from the round after its last chunk.
 """
 
 from __future__ import annotations

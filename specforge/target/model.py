@@ -196,8 +196,9 @@ class Transformer(nn.Module):
     def _logits(self, hidden: Tensor, rows: Tensor) -> Tensor:
         """Logits of ``rows``, each distinct row projected once.  The engine's ``[R, γ+1]`` layout
         repeats a request's last row past its verified drafts: at 16 requests with ≈ 11 drafts
-        verified in all, 85 of the 112 rows were repeats, and projecting each through a 49k-token
-        head made the verify pass cost 1.6 plain steps where its 27 distinct rows cost 1.1."""
+        verified in all, 85 of the 112 rows were repeats, and SmolLM2's 4-bit head over its 49k
+        tokens took 17.0 ms for the 112 rows against 4.9 ms for the 27 distinct ones (AMD EPYC,
+        2 threads)."""
         unique, inverse = torch.unique(rows, return_inverse=True)
         if len(unique) == len(rows):
             return self.project(hidden[rows])

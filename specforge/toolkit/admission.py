@@ -89,10 +89,10 @@ class AdmissionPath:
         # τ_n accumulated as ((R + a_1) + a_2) + …, the order Algorithm 1 adds in, so that the
         # stopping decision agrees bit for bit with a sequential implementation.
         tau = torch.cumsum(torch.cat([self.survival.new_full((1,), float(r)), self.survival]), 0)
-        batch = r + torch.arange(len(self) + 1, device=self.survival.device, dtype=torch.float64)
+        drafts = torch.arange(len(self) + 1, device=self.survival.device, dtype=torch.float64)
         if not draft_cost:
-            return tau * profile.sps(batch)
-        return tau / round_seconds(profile, r, batch - r, draft_cost)
+            return tau * profile.sps(r + drafts)
+        return tau / round_seconds(profile, r, drafts, draft_cost)
 
 
 def round_seconds(profile: HardwareProfile, num_requests: int, verified: Any, draft_cost: float) -> Any:
