@@ -87,6 +87,14 @@ class TargetConfig(BaseModel):
         "'dense' never; 'auto' lets dtype=auto measure them as one more candidate (with an explicit "
         "dtype, auto is dense). GGUF targets only, with bfloat16 activations",
     )
+    backend: Literal["auto", "torch", "llama.cpp"] = Field(
+        "auto",
+        description="what computes the target's passes: 'torch' (the project's own runtime, any target), "
+        "'llama.cpp' (a GGUF file in libllama through the llama-cpp-python binding `make install` builds; "
+        "chains only, taps of layers 0..L-2), or 'auto': llama.cpp for a GGUF target on a CPU where the "
+        "binding loads, torch otherwise (the choice is printed with its reason). dtype, weights, compile and "
+        "kv_dtype configure the torch runtime",
+    )
     kv_dtype: KVDtype = Field(
         "auto",
         description="dtype of the KV cache and of the attention reading it: 'model' (the dtype "

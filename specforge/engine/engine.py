@@ -120,7 +120,6 @@ class Engine:
         self.defaults = sampling or SamplingConfig()
         self.config = engine or EngineConfig()
         self.context_limit = min(self.config.max_context, target.max_positions)
-        self.cache = target.new_cache(self.config.max_batch, self.context_limit)
         self.taps: tuple[int, ...] = ()  # target layers tapped for the drafter on committing passes
         if drafter is not None:
             for name, part in (("confidence", confidence), ("calibrator", calibrator), ("scheduler", scheduler)):
@@ -129,6 +128,10 @@ class Engine:
             parts = {"drafter": drafter, "correction_head": correction_head, "confidence": confidence,
                      "calibrator": calibrator, "scheduler": scheduler, "verifier": verifier}
             self.taps = feature_taps(drafter, target) if bound else bind_components(target, parts)
+        # After the taps are known: a backend that cannot extract them says so (or, chosen by
+        # target.backend: auto, hands the passes back to torch) before it allocates a cache.
+        target.serve_taps(self.taps)
+        self.cache = target.new_cache(self.config.max_batch, self.context_limit)
         self._queue: deque[tuple[int, GenerationRequest]] = deque()
         self._active: list[_Active] = []  # decoding
         self._prefilling: list[_Active] = []  # admitted, part of the prompt not yet in the cache

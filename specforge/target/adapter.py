@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,9 @@ import torch
 from torch import Tensor
 
 from specforge.target.args import ModelArgs
+from specforge.target.backend import BACKENDS, TargetBackend, TorchBackend, auto_backend
 from specforge.target.batch import VarlenBatch
-from specforge.target.cache import KVCache
+from specforge.target.cache import SlotTable
 from specforge.target.kv_dtype import KV_DTYPES
 from specforge.target.loading import load_hf, resolve_model
 from specforge.machine import machine_key
@@ -53,6 +55,10 @@ def build_runtime(args: ModelArgs, hf_model: Any, precision: str, gguf: Path | N
     return runtime
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 class TargetModel:
     """A Hugging Face causal LM behind the specforge runtime.
 
@@ -65,7 +71,8 @@ class TargetModel:
 
     def __init__(self, hf_model: Any, tokenizer: Any = None, dtype: torch.dtype = torch.float32,
                  name: str = "model", precision: PrecisionPlan | None = None,
-                 runtimes: Mapping[str, Transformer] | None = None, gguf: Path | None = None) -> None:
+                 runtimes: Mapping[str, Transformer] | None = None, gguf: Path | None = None,
+                 backend: str = "torch", backend_auto: bool = False) -> None:
         self.name = name
         self.compile_choice: Any = None  # target.compile: auto's verdict (compile_choice.CompileChoice)
         self.args = ModelArgs.from_hf_config(hf_model.config)
@@ -87,16 +94,30 @@ class TargetModel:
         self.runtime = self.runtimes[self.precision.primary]
         self.dtype = self.runtime.dtype
         self.eos_ids = self._eos_ids(hf_model, tokenizer)
+        # Who computes the passes (:mod:`.backend`).  The torch runtime above stays either way: the
+        # drafters share its embedding and LM head, and training reads it.
+        self.backend: TargetBackend = TorchBackend(self.runtimes, self.precision)
+        self.backend_auto = backend_auto  # chosen by target.backend: auto (see serve_taps)
+        if backend == "llama.cpp":
+            from specforge.target.llamacpp import BackendUnsupported, LlamaCppBackend
+
+            if gguf is None:
+                raise BackendUnsupported(f"target.backend=llama.cpp runs GGUF files; {name} is not one (use "
+                                         "target.backend=torch)")
+            self.backend = LlamaCppBackend(gguf, self.args.n_layers, self.args.dim, self.vocab_size)
+        elif backend != "torch":
+            raise ValueError(f"backend must be one of torch, llama.cpp; got {backend!r}")
 
     @classmethod
     def from_config(cls, config: Any) -> TargetModel:
         """Load the target a pipeline's ``target`` section (:class:`~specforge.config.TargetConfig`) names."""
-        return cls.load(config.model, config.dtype, config.compile, config.weights, config.kv_dtype)
+        return cls.load(config.model, config.dtype, config.compile, config.weights, config.kv_dtype,
+                        backend=config.backend)
 
     @classmethod
     def load(cls, model: str = "smollm2", dtype: str | torch.dtype = "auto",
              compile: bool | str = False, weights: str = "auto", kv_dtype: str = "auto",
-             log: Any = None) -> TargetModel:
+             log: Any = None, backend: str = "torch") -> TargetModel:
         """Load the embedded default, an HF directory or a GGUF file (see :mod:`.loading`).
 
         ``dtype`` is a precision (``float32``, ``bfloat16``, ``float16``) or ``"auto"``: measured
@@ -104,7 +125,11 @@ class TargetModel:
         runs a GGUF's 4-bit blocks as stored (:mod:`.quantized`; bf16 activations), ``"auto"`` lets
         ``dtype: auto`` try them; ``compile`` turns on the compiled forward
         (:meth:`Transformer.compile`), ``"auto"`` where it measured faster on this machine
-        (:mod:`.compile_choice`); ``kv_dtype`` is the KV cache's dtype (:mod:`.kv_dtype`)."""
+        (:mod:`.compile_choice`); ``kv_dtype`` is the KV cache's dtype (:mod:`.kv_dtype`).
+
+        ``backend`` computes the passes (:mod:`.backend`): ``torch``, ``llama.cpp`` (a GGUF in
+        libllama; the torch runtime is then built once, in ``dtype`` or float32, for what drafters
+        and training share with the target) or ``auto`` (chosen here, and said why through ``log``)."""
         dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
         # Everything that can be refused is refused before the (slow) load.
         if dtype != "auto" and dtype not in DTYPES:
@@ -115,8 +140,29 @@ class TargetModel:
             raise ValueError(f"compile must be true, false or 'auto', not {compile!r}")
         if weights not in ("auto", "dense", "native"):
             raise ValueError(f"weights must be 'auto', 'dense' or 'native', not {weights!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
         directory, gguf_file = resolve_model(model)
         gguf = directory / gguf_file if gguf_file else None
+        chosen = backend == "auto"
+        if chosen:
+            backend, why = auto_backend(gguf)
+            (log or _say)(f"target.backend: auto → {backend} ({why})")
+        if backend == "llama.cpp":
+            from specforge.target.llamacpp import BackendUnsupported
+
+            if gguf is None:
+                raise BackendUnsupported(f"target.backend=llama.cpp runs GGUF files; {model} is a safetensors "
+                                         "directory (use target.backend=torch)")
+            if weights == "native" or compile:
+                key = "target.weights=native" if weights == "native" else "target.compile"
+                raise BackendUnsupported(f"{key} configures the torch backend; target.backend is llama.cpp")
+            from specforge.llamacpp.binding import load as load_binding
+
+            load_binding()  # a missing binding is refused before the slow load
+            weights, compile = "dense", False
+            if dtype == "auto":  # no pass runs in torch: nothing to measure
+                dtype = "float32"
         if weights == "native":
             if gguf is None:
                 raise NativeWeightsError(f"{model}: native weights are a GGUF's own 4-bit blocks; "
@@ -151,7 +197,8 @@ class TargetModel:
                           method=method_key())
         plan = resolve_precision(model, build, candidates, skipped, key, log=log, auto=auto)
         target = cls(hf_model, tokenizer, name=model, precision=plan,
-                     runtimes={p: build(p) for p in plan.precisions}, gguf=gguf)
+                     runtimes={p: build(p) for p in plan.precisions}, gguf=gguf, backend=backend,
+                     backend_auto=chosen)
         if compile == "auto":
             from specforge.target import compile_choice
             from specforge.target.compiled import compile_available
@@ -181,8 +228,9 @@ class TargetModel:
     @property
     def precision_label(self) -> str:
         """The precision every pass runs in (``bfloat16``), or the plan's bands
-        (``bfloat16@1,float32@2+``): what profiles, manifests and benchmark records name."""
-        return self.precision.label
+        (``bfloat16@1,float32@2+``), or ``llama.cpp`` (the GGUF's own types, in libllama): what
+        profiles, manifests and benchmark records name."""
+        return self.backend.name if self.backend.name != "torch" else self.precision.label
 
     @staticmethod
     def _eos_ids(hf_model: Any, tokenizer: Any) -> frozenset[int]:
@@ -226,23 +274,29 @@ class TargetModel:
 
     # -- compute ---------------------------------------------------------------------------------
 
-    def new_cache(self, slots: int, capacity: int) -> KVCache:
-        """A cache every runtime of the plan reads (in the primary runtime's KV dtype; a pass in
-        another precision casts its q/k/v to it)."""
-        return self.runtime.new_cache(slots, capacity)
+    def serve_taps(self, taps: tuple[int, ...], log: Any = None) -> None:
+        """Make sure the backend can extract ``taps`` (the layers a drafter reads): a llama.cpp
+        backend that ``target.backend: auto`` chose and that cannot hands the passes back to torch
+        (said once); one asked for by name is a :class:`~specforge.errors.ConfigError`."""
+        from specforge.errors import ConfigError, SpecforgeError
+
+        try:
+            self.backend.check_taps(taps)
+        except SpecforgeError as exc:
+            if not self.backend_auto:
+                raise ConfigError([f"target.backend: {exc}"]) from exc
+            (log or _say)(f"target.backend: auto → torch ({exc})")
+            self.backend = TorchBackend(self.runtimes, self.precision)
+
+    def new_cache(self, slots: int, capacity: int) -> SlotTable:
+        """A cache of ``slots`` requests × ``capacity`` positions for this target's backend."""
+        return self.backend.new_cache(slots, capacity)
 
     @torch.inference_mode()
-    def forward(self, batch: VarlenBatch, cache: KVCache, logits_rows: Tensor | None = None,
+    def forward(self, batch: VarlenBatch, cache: SlotTable, logits_rows: Tensor | None = None,
                 taps: tuple[int, ...] = ()) -> ForwardOutput:
-        """One pass in the precision of its band; hidden states come back in the primary one."""
-        if len(self.runtimes) == 1:
-            return self.runtime(batch, cache, logits_rows, taps)
-        runtime = self.runtimes[self.precision.precision_for(batch.num_tokens)]
-        out = runtime(batch, cache, logits_rows, taps)
-        if runtime.dtype == self.dtype:
-            return out
-        return ForwardOutput(out.logits, out.hidden.to(self.dtype),
-                             {layer: t.to(self.dtype) for layer, t in out.taps.items()})
+        """One pass over ``batch`` (:class:`~specforge.target.backend.TargetBackend`)."""
+        return self.backend.forward(batch, cache, logits_rows, taps)
 
     @torch.inference_mode()
     def reference_logits(self, ids: Sequence[int]) -> Tensor:

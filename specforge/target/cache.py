@@ -20,49 +20,27 @@ import heapq
 import torch
 from torch import Tensor
 
-__all__ = ["CacheFullError", "KVCache"]
+__all__ = ["CacheFullError", "KVCache", "SlotTable"]
 
 
 class CacheFullError(RuntimeError):
     """No free slot, or a write past a slot's capacity."""
 
 
-class KVCache:
-    def __init__(
-        self,
-        n_layers: int,
-        slots: int,
-        n_kv_heads: int,
-        capacity: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        # One tensor per layer, not one [layers, ...] tensor: a compiled forward writes layer i's
-        # keys in place into its own input; into a view of a shared tensor it would copy it whole.
-        shape = (slots, n_kv_heads, capacity, head_dim)
-        self.k = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers))
-        self.v = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers))
-        self._static = False
+class SlotTable:
+    """The engine's view of a cache: one slot per request and how many of its positions hold
+    valid keys and values.  Where those live is a subclass's: :class:`KVCache` (tensors here),
+    :class:`~specforge.target.llamacpp.LlamaCppCache` (llama.cpp's memory)."""
+
+    def __init__(self, slots: int, capacity: int) -> None:
         self.capacity = capacity
         self.lengths = [0] * slots
         self._written = [0] * slots  # positions 0..written-1 of each slot may hold this request's K/V
-        self._dirty: dict[int, int] = {}  # freed slot -> positions its last occupant wrote (not yet zeroed)
         # A min-heap: the lowest free slot goes first, so requests admitted together get
         # consecutive slots in admission order whatever order earlier ones finished in — the
         # padded attention then reads them as one block without a gather, and a compiled forward
         # sees the same layout on every batch instead of a new graph after the first.
         self._free = list(range(slots))
-
-    def mark_static(self) -> None:
-        """Tell torch.compile the cache's shapes are fixed for its life: a compiled forward may
-        then specialise on them (head counts decide code paths) while the lengths and slots it
-        reads stay symbolic.  Done on first use by a compiled forward (importing dynamo costs
-        seconds, which eager users should not pay)."""
-        if not self._static:
-            for t in (*self.k, *self.v):
-                torch._dynamo.mark_static(t)
-            self._static = True
 
     @property
     def slots(self) -> int:
@@ -72,8 +50,6 @@ class KVCache:
         if not self._free:
             raise CacheFullError(f"all {self.slots} cache slots are in use")
         slot = heapq.heappop(self._free)
-        if slot in self._dirty:
-            self._scrub()
         self.lengths[slot] = 0
         return slot
 
@@ -81,29 +57,12 @@ class KVCache:
         if slot in self._free:
             raise ValueError(f"slot {slot} is already free")
         self.lengths[slot] = 0
-        if self._written[slot]:
-            self._dirty[slot] = self._written[slot]
-            self._written[slot] = 0
+        self._written[slot] = 0
         heapq.heappush(self._free, slot)
-
-    def _scrub(self) -> None:
-        """Zero the leftovers of every slot freed since the last scrub (up to the longest of
-        them: the extra positions of the others are free too)."""
-        slots = torch.tensor(list(self._dirty), dtype=torch.long, device=self.k[0].device)
-        end = max(self._dirty.values())
-        for k, v in zip(self.k, self.v):
-            k[slots, :, :end] = 0
-            v[slots, :, :end] = 0
-        self._dirty.clear()
 
     @property
     def free_slots(self) -> int:
         return len(self._free)
-
-    def update(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
-        """Write ``k``/``v`` ``[N, Hkv, D]`` of N tokens at their (slot, position)."""
-        self.k[layer][slots, :, positions] = k
-        self.v[layer][slots, :, positions] = v
 
     def note_written(self, slots: list[int], ends: list[int]) -> None:
         """Record that a pass writes positions below ``ends[i]`` of ``slots[i]`` (host lists)."""
@@ -122,15 +81,75 @@ class KVCache:
         """Move the K/V at positions ``keep`` (ascending, each ≥ ``start``) of ``slot`` to
         ``start, start + 1, …``: after a tree pass, the accepted path's entries become the
         consecutive positions they hold from now on."""
-        if keep == list(range(start, start + len(keep))):
-            return
-        src = torch.tensor(keep, dtype=torch.long, device=self.k[0].device)
-        for k, v in zip(self.k, self.v):
-            k[slot, :, start:start + len(keep)] = k[slot, :, src]  # the gather copies before the write
-            v[slot, :, start:start + len(keep)] = v[slot, :, src]
+        raise NotImplementedError
 
     def crop(self, slot: int, length: int) -> None:
         """Roll ``slot`` back to its first ``length`` positions."""
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"slot {slot}: cannot crop to {length} (length {self.lengths[slot]})")
         self.lengths[slot] = length
+
+
+class KVCache(SlotTable):
+    def __init__(
+        self,
+        n_layers: int,
+        slots: int,
+        n_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(slots, capacity)
+        # One tensor per layer, not one [layers, ...] tensor: a compiled forward writes layer i's
+        # keys in place into its own input; into a view of a shared tensor it would copy it whole.
+        shape = (slots, n_kv_heads, capacity, head_dim)
+        self.k = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers))
+        self.v = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers))
+        self._static = False
+        self._dirty: dict[int, int] = {}  # freed slot -> positions its last occupant wrote (not yet zeroed)
+
+    def mark_static(self) -> None:
+        """Tell torch.compile the cache's shapes are fixed for its life: a compiled forward may
+        then specialise on them (head counts decide code paths) while the lengths and slots it
+        reads stay symbolic.  Done on first use by a compiled forward (importing dynamo costs
+        seconds, which eager users should not pay)."""
+        if not self._static:
+            for t in (*self.k, *self.v):
+                torch._dynamo.mark_static(t)
+            self._static = True
+
+    def allocate(self) -> int:
+        slot = super().allocate()
+        if slot in self._dirty:
+            self._scrub()
+        return slot
+
+    def free(self, slot: int) -> None:
+        if self._written[slot] and slot not in self._free:
+            self._dirty[slot] = self._written[slot]
+        super().free(slot)
+
+    def _scrub(self) -> None:
+        """Zero the leftovers of every slot freed since the last scrub (up to the longest of
+        them: the extra positions of the others are free too)."""
+        slots = torch.tensor(list(self._dirty), dtype=torch.long, device=self.k[0].device)
+        end = max(self._dirty.values())
+        for k, v in zip(self.k, self.v):
+            k[slots, :, :end] = 0
+            v[slots, :, :end] = 0
+        self._dirty.clear()
+
+    def update(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write ``k``/``v`` ``[N, Hkv, D]`` of N tokens at their (slot, position)."""
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v
+
+    def compact(self, slot: int, keep: list[int], start: int) -> None:
+        if keep == list(range(start, start + len(keep))):
+            return
+        src = torch.tensor(keep, dtype=torch.long, device=self.k[0].device)
+        for k, v in zip(self.k, self.v):
+            k[slot, :, start:start + len(keep)] = k[slot, :, src]  # the gather copies before the write
+            v[slot, :, start:start + len(keep)] = v[slot, :, src]

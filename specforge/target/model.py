@@ -31,7 +31,7 @@ __all__ = ["ForwardOutput", "Transformer"]
 @dataclass(frozen=True)
 class ForwardOutput:
     logits: Tensor | None  # [M, V] float32 for the requested rows, or None
-    hidden: Tensor  # [N, d] final (normed) hidden state of every token
+    hidden: Tensor | None  # [N, d] final (normed) hidden state of every token (None: a backend without it)
     taps: dict[int, Tensor]  # layer index -> [N, d] residual stream after that layer
 
 
