@@ -137,11 +137,11 @@ def _stats_line(outputs) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """write a trained drafter in the layout vLLM or SGLang serves
+    """write a trained drafter in the layout vLLM, SGLang or llama.cpp serves
 
     Read a specforge drafter checkpoint and write it in another project's layout (see `specforge
-    plugins --json` for each drafter's checkpoint_formats); every required tensor and shape is
-    checked first, and nothing is written on error.
+    plugins --json` for each drafter's checkpoint_formats; `--to llama.cpp` writes one .gguf file);
+    every required tensor and shape is checked first, and nothing is written on error.
     """
     from specforge.interop import export_checkpoint
 
@@ -453,8 +453,9 @@ def _calibrate_arguments(p: argparse.ArgumentParser) -> None:
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("drafter", metavar="DRAFTER_DIR")
     p.add_argument("--to", required=True, metavar="FORMAT",
-                   help="vllm, sglang, … (per drafter method), or hf: the checkpoint with a model card")
-    p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder")
+                   help="vllm, sglang, llama.cpp, … (per drafter method), or hf: the checkpoint with a model card")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="a new (or empty) folder; --to llama.cpp: a new .gguf file")
     p.add_argument("--eval", default=None, metavar="EVAL_JSON",
                    help="--to hf: the τ table of this `specforge eval` result")
     p.add_argument("--conformance", default=None, metavar="JSON",

@@ -8,8 +8,9 @@ authors' API lives in :mod:`specforge.toolkit.formats`): the layout a serving en
 
 * **export** reads the checkpoint's ``method`` (its ``config.json``), finds the drafter registered
   under that name and the format asked for, and lets it write the layout into a temporary folder
-  that replaces ``--out`` only when complete — a failed export leaves nothing behind; ``--to hf``
-  (every method) is :mod:`specforge.model_card`'s;
+  that replaces ``--out`` only when complete — a failed export leaves nothing behind; a layout that
+  is one file (a format with a ``suffix``: llama.cpp's ``.gguf``) is written under a temporary name
+  and renamed to ``--out``, a new file; ``--to hf`` (every method) is :mod:`specforge.model_card`'s;
 * **import** asks every registered format whether a folder is in its layout (``detect``); exactly
   one must say yes, and it writes a specforge checkpoint the same way.
 """
@@ -46,6 +47,21 @@ def _write(out: Path, make) -> list[str]:
     return notes
 
 
+def _write_file(out: Path, suffix: str, make) -> list[str]:
+    """Run ``make(tmp)``, which writes one file, under a temporary name renamed to ``out`` (a new
+    file named ``*suffix``) only if it succeeds."""
+    out = Path(out)
+    if out.suffix != suffix:
+        raise InteropError(f"{out}: this layout is one {suffix} file; give --out a file name ending in {suffix} "
+                           "(nothing was written)")
+    if out.exists():
+        raise InteropError(f"{out}: exists; choose a new file (nothing was written)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with replace_atomically(out) as tmp:
+        notes = make(tmp)
+    return notes
+
+
 def export_checkpoint(source: str | Path, to: str, out: str | Path, host: Any = None,
                       evaluation: str | Path | None = None, conformance: str | Path | None = None) -> list[str]:
     """Write the specforge checkpoint ``source`` in layout ``to`` under ``out``; returns notes.
@@ -69,6 +85,8 @@ def export_checkpoint(source: str | Path, to: str, out: str | Path, host: Any = 
     if to not in formats[method]:
         raise InteropError(f"{source}: {method} exports to {', '.join([*formats[method], 'hf'])}, not {to!r}")
     fmt = formats[method][to]
+    if getattr(fmt, "suffix", None):  # one file, not a folder
+        return _write_file(Path(out), fmt.suffix, lambda tmp: fmt.export(source, tmp))
     return _write(Path(out), lambda tmp: fmt.export(source, tmp))
 
 

@@ -35,7 +35,9 @@ class BlockDrafterConfig(TargetShape):
     """Everything needed to rebuild a backbone (stored as JSON next to its safetensors): the target
     layer's shape, which the draft layers copy (docs/design/drafters.md), then the drafter's own."""
 
-    qk_norm: bool = False
+    qk_norm: bool = Field(
+        True, description="per-head RMSNorm of the draft layers' queries and keys, whatever the target's layers do: "
+                          "the Qwen3 layout DeepSpec, vLLM, SGLang and llama.cpp read (False: not exportable)")
     rope_theta: float = Field(10000.0, description="used only when the target's inv_freq is not shared")
 
     # --- the drafter's own choices ---
@@ -78,5 +80,6 @@ class BlockDrafterConfig(TargetShape):
 
     @classmethod
     def from_model_args(cls, args: Any, **overrides: Any) -> BlockDrafterConfig:
-        """Target shape from a :class:`ModelArgs`; drafter choices from ``overrides``."""
-        return cls(**{**cls.target_fields(args), "qk_norm": args.qk_norm, **overrides})
+        """Target shape from a :class:`ModelArgs`; drafter choices from ``overrides`` (q/k norm on
+        unless ``qk_norm=False``: it is the drafter's choice, not the target's)."""
+        return cls(**{**cls.target_fields(args), **overrides})

@@ -55,6 +55,9 @@ class BlockConfig(BaseModel):
     target_layers: tuple[int, ...] | None = Field(
         None, description="tapped target layers of a random init; None: 5 spread from 1 to L-3 of the bound target")
     seed: int = Field(0, description="seed of the random initialisation")
+    qk_norm: bool | None = Field(
+        None, description="q/k norm in the draft layers of a random init (None: on, the peers' layout); a "
+                          "checkpoint records its own")
     dtype: Literal["float32", "target"] = Field(
         "target", description="'target': run the backbone in the target's dtype (bf16 on the embedded default), "
                               "its projections packed as the target's are; float32: as trained")
@@ -69,9 +72,9 @@ class BlockConfig(BaseModel):
     @model_validator(mode="after")
     def _one_source(self):
         if self.checkpoint is not None and (self.layers is not None or self.target_layers is not None
-                                            or self.draft_vocab is not None):
-            raise ValueError("layers, target_layers and draft_vocab come from the checkpoint; set them only for a "
-                             "random init")
+                                            or self.draft_vocab is not None or self.qk_norm is not None):
+            raise ValueError("layers, target_layers, draft_vocab and qk_norm come from the checkpoint; set them only "
+                             "for a random init")
         return self
 
 
@@ -135,7 +138,8 @@ class BlockDrafter:
                              f"(0..{args.n_layers - 1})")
         return BlockDrafterConfig.from_model_args(
             args, draft_layers=self.config.layers or self.default_layers, target_layers=layers,
-            gamma=self.gamma, predict_anchor=self.predict_anchor, draft_vocab_size=self.config.draft_vocab)
+            gamma=self.gamma, predict_anchor=self.predict_anchor, draft_vocab_size=self.config.draft_vocab,
+            qk_norm=self.config.qk_norm is not False)
 
     @property
     def draft_vocab(self) -> DraftVocab | None:

@@ -178,6 +178,15 @@ class BlockFormat:
     # -- export ---------------------------------------------------------------------------------
 
     def export(self, source: Path, out: Path) -> list[str]:
+        config, tensors, notes = self.layout(source)
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return notes
+
+    def layout(self, source: Path, title: str | None = None) -> tuple[dict[str, Any], dict[str, Tensor], list[str]]:
+        """``(config.json, tensors, notes)`` of the checkpoint ``source`` in this layout, every tensor
+        checked against the shape the config implies; nothing is written (the refusals first, naming
+        ``title``: this layout's, or that of a format built on it — llama.cpp's GGUF)."""
         backbone, head, conf, drafter = load_drafter(source)
         stored = load_file(str(source / "model.safetensors"))
         for prefix, module in (("backbone", backbone), ("head", head), ("confidence", conf)):
@@ -186,7 +195,7 @@ class BlockFormat:
                                if k.startswith(prefix + ".") and v.is_floating_point()))
         c, vocab, meta = backbone.config, backbone.vocab, read_config(source) or {}
         kind = None if head is None else next((k for k, cls in HEADS.items() if type(head) is cls), "?")
-        self._refuse_export(c, head, kind, conf, source)
+        self._refuse_export(c, head, kind, conf, source, title or self.title)
         deepspec, learned = self.name == "deepspec", c.mask_token_id is None
         with_markov = None if conf is None else conf.config.embedding == "head"
         zero_head = head is None and self.method == "dspark" and not deepspec  # vLLM's DSpark always has one
@@ -233,8 +242,6 @@ class BlockFormat:
         config = self._config(target_config, plan, dtype, learned, with_markov, kind)
         config["specforge"] = {"method": meta.get("method"), "target": meta.get("target"),
                                "vocab_size": c.vocab_size, "drafter": drafter}
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copied = ", ".join(["config"] + ["embedding"] * plan.embed + ["LM head"] * plan.lm_head)
         notes = [f"the target's {copied}: copied from the target the checkpoint records ({meta.get('target')})"]
         if zero_head:
@@ -243,15 +250,17 @@ class BlockFormat:
         if learned and not deepspec:
             notes.append(f"the learned MASK vector is embed_tokens row {c.vocab_size} (mask_token_id "
                          f"{c.vocab_size}): the draft's input vocabulary is the target's plus that row")
-        return notes
+        return config, tensors, notes
 
-    def _refuse_export(self, c: BlockDrafterConfig, head: Any, kind: str | None, conf: Any, source: Path) -> None:
+    def _refuse_export(self, c: BlockDrafterConfig, head: Any, kind: str | None, conf: Any, source: Path,
+                       layout: str) -> None:
         """One sentence for the first thing the layout cannot state exactly (the module docstring)."""
-        layout, taps = self.title, list(c.tap_layers)
+        taps = list(c.tap_layers)
         checks = [
             (not c.qk_norm, f"{layout} RMS-normalises every draft layer's queries and keys per head (Qwen3's q_norm/"
-                            "k_norm) and this drafter has no qk-norm (its target has none); an RMSNorm is not the "
-                            "identity, so it cannot be written exactly — train the drafter on a Qwen3 target"),
+                            "k_norm) and this drafter has no qk-norm (trained with drafter.qk_norm=false, or before "
+                            "it was the default); an RMSNorm is not the identity, so it cannot be written exactly — "
+                            "retrain with drafter.qk_norm=true (the default)"),
             (c.activation != "silu", f"{layout}'s MLP is SiLU-gated and this drafter's is {c.activation}"),
             (taps != sorted(set(taps)), f"{layout} concatenates the tapped layers in increasing order and this "
                                         f"drafter taps {taps} — train with drafter.target_layers increasing"),
@@ -268,7 +277,7 @@ class BlockFormat:
              "and this drafter learned its own MASK vector, which no id carries — export --to vllm keeps it as an "
              "extra embedding row"),
             (kind == "?", f"its correction head {type(head).__name__} is none of markov, gated, rnn"),
-            (self.name == "vllm" and self.method == "dspark" and kind in ("gated", "rnn"),
+            (self.name != "deepspec" and self.method == "dspark" and kind in ("gated", "rnn"),
              f"{layout} has only the vanilla Markov head and this drafter's correction head is {kind} — export --to "
              "deepspec keeps it, or train with drafter.head.name=markov"),
             (self.method == "dflash" and head is not None,
@@ -517,5 +526,10 @@ def _tapped(config: dict[str, Any]) -> list[int] | None:
     return [int(i) for i in ids] if ids else None
 
 
-DSPARK_FORMATS = (BlockFormat("deepspec", "dspark"), BlockFormat("vllm", "dspark"))
-DFLASH_FORMATS = (BlockFormat("vllm", "dflash"),)
+# llama.cpp converts vLLM's layout (plugins/drafters/block/llamacpp.py); imported here, below the
+# class it builds on, so that the drafters' registration keeps reading its formats from this module.
+from specforge_plugins.drafters.block.llamacpp import LlamaCppFormat  # noqa: E402
+
+DSPARK_FORMATS = (BlockFormat("deepspec", "dspark"), BlockFormat("vllm", "dspark"),
+                  LlamaCppFormat(BlockFormat("vllm", "dspark")))
+DFLASH_FORMATS = (BlockFormat("vllm", "dflash"), LlamaCppFormat(BlockFormat("vllm", "dflash")))

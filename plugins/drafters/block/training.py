@@ -102,8 +102,9 @@ class BlockTrainConfig(BaseModel):
                                        description="confidence head trained with it: dspark-head + its keys, or none")
     seed: int = Field(0, description="seed of the backbone's initialisation")
     qk_norm: bool | None = Field(
-        None, description="per-head RMSNorm of queries and keys in the draft layers; None: as the target's layers "
-                          "(True is what DeepSpec's and vLLM's Qwen3 DSpark/DFlash layouts hold: export needs it)")
+        True, description="per-head RMSNorm of queries and keys in the draft layers (the Qwen3 layout DeepSpec, "
+                          "vLLM, SGLang and llama.cpp read; false: not exportable); null: as the target's layers "
+                          "(the default before, which runs saved then record and resume with)")
     norm_init_scale: float | None = Field(
         0.1, gt=0, description="initial final-norm weights: this times the target's final norm "
                                "(the scale its LM head was trained on); None: ones")
@@ -197,7 +198,7 @@ class BlockTraining(VocabTraining):
             self.target.args, draft_layers=c.layers, gamma=c.gamma, predict_anchor=self.predict_anchor,
             target_layers=tuple(c.target_layers) if c.target_layers is not None else None,
             draft_vocab_size=None if vocab is None else vocab.size,
-            **({} if c.qk_norm is None else {"qk_norm": c.qk_norm}))
+            qk_norm=self.target.args.qk_norm if c.qk_norm is None else c.qk_norm)
 
     def _build(self, vocab: DraftVocab | None) -> DrafterModule:
         config, target, device = self.settings, self.target, self.device
@@ -245,6 +246,12 @@ class BlockTraining(VocabTraining):
 
     def load(self, directory: Path) -> None:
         backbone, head, confidence, _ = load_drafter(directory)
+        mine = self.module.backbone.config.qk_norm
+        if backbone.config.qk_norm != mine:  # before q/k norm was the default: runs saved without it
+            raise DrafterCheckpointError(
+                f"{directory}: a drafter {'with' if backbone.config.qk_norm else 'without'} q/k norm and this run's "
+                f"config (drafter.qk_norm) asks {'for' if mine else 'against'} it; resume with "
+                f"drafter.qk_norm={'true' if backbone.config.qk_norm else 'false'}, or start a new run")
         if not same_vocab(backbone.vocab, self.vocab):
             raise DrafterCheckpointError(f"{directory}: its draft vocabulary differs from the one this run's data "
                                          "gives (resume with the same data and drafter.draft_vocab)")
