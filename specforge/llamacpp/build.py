@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["BINDING", "KEY_FILE", "cpu_flags", "cpu_key", "ensure_binding", "installed_key", "wheel_dir"]
+__all__ = ["BINDING", "KEY_FILE", "cpu_flags", "cpu_key", "ensure_binding", "installed_key", "tools_dir", "wheel_dir"]
 
 #: The binding specforge builds and is tested with: its vendored llama.cpp exports the layer-input
 #: API (``llama_set_embeddings_layer_inp``) the backend reads taps through.
@@ -58,6 +58,14 @@ def wheel_dir(root: Path | None = None) -> Path:
     from specforge.target.loading import cache_root
 
     return (root or cache_root()) / "wheels" / f"llama-cpp-{cpu_key()}"
+
+
+def tools_dir(root: Path | None = None) -> Path:
+    """Where ``make llama.cpp`` (``scripts/build-llama-cpp-tools.sh``) puts llama.cpp's command-line
+    tools for this CPU: ``$SPECFORGE_CACHE_DIR/llama-cpp-tools-<key>`` (the programs in ``bin/``)."""
+    from specforge.target.loading import cache_root
+
+    return (root or cache_root()) / f"llama-cpp-tools-{cpu_key()}"
 
 
 def installed_key(prefix: str | None = None) -> str | None:
