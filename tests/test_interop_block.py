@@ -374,7 +374,7 @@ def test_a_bfloat16_deepspec_checkpoint_keeps_its_dtype(target_dir, tmp_path):
     ("dflash-markov", "vllm", r"DFlashQwen3ForCausalLM has no correction head"),
     ("last-layer", "vllm", r"taps the target's last layer \(7\)"),
     ("no-target", "vllm", r"its target '/nowhere/target' cannot be read"),
-    ("dflash", "deepspec", r"dflash exports to vllm, hf, not 'deepspec'"),
+    ("dflash", "deepspec", r"dflash exports to vllm, llama.cpp, hf, not 'deepspec'"),
 ])
 def test_a_layout_that_cannot_be_exact_is_refused(drafters, tmp_path, name, fmt, message):
     assert_export_refused(drafters[name], fmt, tmp_path / "out", message)

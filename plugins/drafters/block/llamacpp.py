@@ -351,6 +351,5 @@ def _add_tensor(writer: Any, name: str, tensor: Tensor, ftype: Any) -> None:
         qtype = {gguf.LlamaFileType.ALL_F32: gguf.GGMLQuantizationType.F32,
                  gguf.LlamaFileType.MOSTLY_F16: gguf.GGMLQuantizationType.F16,
                  gguf.LlamaFileType.MOSTLY_BF16: gguf.GGMLQuantizationType.BF16}[ftype]
-    data = gguf.quants.quantize(data, qtype)
-    shape = gguf.quant_shape_from_byte_shape(data.shape, qtype) if data.dtype == np.uint8 else data.shape
-    writer.add_tensor(name, data, raw_shape=shape, raw_dtype=qtype)
+    # bfloat16 comes back as bytes, whose shape the writer turns into the element shape itself
+    writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
