@@ -276,14 +276,17 @@ def test_block_drafters_have_qk_norm_by_default_and_record_it(smollm2):
 
 # -- llama.cpp itself: llama-speculative-simple with our drafter (make llama.cpp) -----------------
 
-PROMPT = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n"
+PROMPTS = ("<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n",
+           "<|im_start|>user\nWrite a Python function that returns the sum of a list.<|im_end|>\n<|im_start|>assistant\n")
 
 
-def _speculative_simple(exe: Path, target: Path, draft: Path, spec_type: str, n_max: int, tokens: int) -> tuple[str, str]:
+def speculative_simple(exe: Path, target: Path, draft: Path, spec_type: str, n_max: int, prompt: str,
+                       tokens: int = 48) -> tuple[str, str]:
+    """``(stdout, stderr)`` of one greedy run; ``n_max`` 0 drafts nothing: llama.cpp's plain decoding."""
     cmd = [str(exe), "-m", str(target), "-md", str(draft), "--spec-type", spec_type, "--spec-draft-n-max", str(n_max),
-           "-p", PROMPT, "-n", str(tokens), "--temp", "0", "--top-k", "1", "-t", "2", "-c", "1024", "--seed", "0",
-           "--no-warmup"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+           "-p", prompt, "-n", str(tokens), "--temp", "0", "--top-k", "1", "-t", "2", "-c", "1024", "--seed", "0",
+           "-lv", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout, done.stderr
 
@@ -297,11 +300,13 @@ def test_llama_speculative_simple_runs_the_drafter_losslessly(exported, smollm2,
     if reason:
         pytest.skip(reason)
     exe = tool("llama-speculative-simple")
-    _, path = exported[name]
-    plain, _ = _speculative_simple(exe, smollm2["gguf"], path, f"draft-{name}", 0, 48)
-    spec, log = _speculative_simple(exe, smollm2["gguf"], path, f"draft-{name}", 4, 48)
-    assert f"adding speculative implementation 'draft-{name}'" in log
-    assert "extract_layers = [2, 9, 15, 21, 28]" in log
-    drafted = int(re.search(r"n_drafted\s*=\s*(\d+)", log).group(1))
-    assert drafted > 0
-    assert spec == plain  # T = 0: the drafter changes nothing in what llama.cpp writes
+    source, path = exported[name]
+    gamma = load_drafter(source)[0].config.gamma
+    for prompt in PROMPTS:
+        plain, _ = speculative_simple(exe, smollm2["gguf"], path, f"draft-{name}", 0, prompt)
+        spec, log = speculative_simple(exe, smollm2["gguf"], path, f"draft-{name}", gamma, prompt)
+        assert f"adding speculative implementation 'draft-{name}'" in log
+        assert "DFlash extract_layers = [2, 9, 15, 21, 28]" in log  # our taps + 1, as llama.cpp read them
+        assert f"block_size={gamma if name == 'dspark' else gamma + 1}" in log
+        assert int(re.search(r"n_drafted\s*=\s*(\d+)", log).group(1)) > 0
+        assert spec == plain  # T = 0: the drafter changes nothing in what llama.cpp writes

@@ -17,10 +17,20 @@ BUILD = "make llama.cpp"
 TOOLS = ("llama-speculative-simple", "llama-server", "llama-bench", "llama-cli")
 
 
+def _places() -> list[Path]:
+    """Where the programs may be: the cache's (``$SPECFORGE_CACHE_DIR``), then the default cache's
+    (``~/.cache/specforge``: the tools are the machine's, and a run with a cache of its own — the
+    tests' — still finds them there)."""
+    return list(dict.fromkeys([tools_dir() / "bin", tools_dir(Path.home() / ".cache" / "specforge") / "bin"]))
+
+
 def tool(name: str) -> Path | None:
     """The path of llama.cpp's program ``name`` built for this CPU, or None when it is not built."""
-    path = tools_dir() / "bin" / name
-    return path if path.is_file() and os.access(path, os.X_OK) else None
+    for place in _places():
+        path = place / name
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    return None
 
 
 def missing_reason(*names: str) -> str | None:
