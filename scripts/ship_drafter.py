@@ -8,6 +8,11 @@ in on the embedded target, so nothing changes at inference) with their sha256 in
 the learning curve, and MODEL_CARD.md — training config, data manifest, steps, CPU-hours,
 held-out τ̂, and, given an `specforge eval --json` result, τ / speedup / draft-vocabulary coverage
 per eval set.  Every number in the card is read from the run's own files.
+
+A shipped drafter is one others can serve: a drafter without q/k norm in its draft layers (trained
+with ``drafter.qk_norm=false``, or before it was the default) exports to no engine's layout (vLLM,
+SGLang, DeepSpec and llama.cpp read Qwen3 layers, which have it) and is refused unless
+``--allow-unexportable`` is given.
 """
 
 from __future__ import annotations
@@ -72,11 +77,17 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=None, help="drafter directory (default: the newest checkpoint's)")
     ap.add_argument("--eval", type=Path, default=None, help="eval.json of this drafter (specforge eval)")
     ap.add_argument("--machine", default=None, help="where it was trained (default: this machine's CPU)")
+    ap.add_argument("--allow-unexportable", action="store_true",
+                    help="ship a drafter without q/k norm (no engine's layout can hold it)")
     args = ap.parse_args()
 
     source, state = _source(args.run, args.checkpoint)
     backbone, head, confidence, drafter_cfg = load_drafter(source)
     meta = json.loads((source / CONFIG).read_text())
+    if not backbone.config.qk_norm and not args.allow_unexportable:
+        raise SystemExit(f"{source}: its draft layers have no q/k norm, so vLLM, SGLang, DeepSpec and llama.cpp "
+                         "cannot run it (specforge export refuses it); train with drafter.qk_norm=true (the "
+                         "default), or pass --allow-unexportable")
     out = SHIPPED / args.name
     if out.exists():
         shutil.rmtree(out)
@@ -106,6 +117,14 @@ def main() -> None:
         f"γ = {backbone.config.gamma}, draft vocabulary {backbone.config.draft_vocab_size or 'full'}",
         f"- correction head: {None if head is None else meta['head']['name']}; confidence head: "
         f"{None if confidence is None else meta['confidence']['name']}",
+        f"- q/k norm in the draft layers: {'yes' if backbone.config.qk_norm else 'no (not exportable)'}",
+        "",
+        "## Serving it elsewhere",
+        *(["```bash",
+           f"specforge export {out} --to llama.cpp --out {args.name}.gguf   # llama.cpp (docs/llama-cpp.md)",
+           f"specforge export {out} --to vllm --out {args.name}-vllm",
+           "```"] if backbone.config.qk_norm else
+          ["No engine's layout holds draft layers without q/k norm: retrain with drafter.qk_norm=true."]),
         "",
         "## Training",
         f"- steps: {state['step']} of {state['total_steps']} ({state['steps_per_epoch']} per epoch)",
