@@ -12,6 +12,7 @@ output equals llama.cpp's plain greedy output.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import re
@@ -191,7 +192,6 @@ def test_gguf_reads_back_with_the_drafters_tensors_and_metadata(exported, smollm
 def test_llama_cpp_loads_the_exported_gguf(exported):
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip(NO_BINDING)
-    import ctypes
 
     import llama_cpp.llama_cpp as api
 
@@ -210,6 +210,140 @@ def test_llama_cpp_loads_the_exported_gguf(exported):
             assert buf.value == b"dflash"
         finally:
             api.llama_model_free(model)
+
+
+# -- llama.cpp computes what specforge computes ---------------------------------------------------
+
+TEXT = b"<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\nThe"
+
+
+def _binding():
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip(NO_BINDING)
+    from specforge.llamacpp.binding import load
+
+    return load()
+
+
+def _context(api, model, n: int = 256):
+    p = api.llama_context_default_params()
+    p.n_ctx = p.n_batch = p.n_ubatch = n
+    p.n_threads = p.n_threads_batch = 2
+    return p
+
+
+def _target_features(b, gguf_path: Path, layers: list[int]) -> tuple[object, object, list[int], np.ndarray]:
+    """llama.cpp's target on the prompt but its last token, extracting the inputs of ``layers``:
+    ``(model, context, tokens, features [n − 1, len(layers) · d])``."""
+    api = b.api
+    model = api.llama_model_load_from_file(str(gguf_path).encode(), api.llama_model_default_params())
+    ctx = api.llama_init_from_model(model, _context(api, model))
+    for layer in layers:
+        b.set_layer_inp(ctx, layer, True)
+    buf = (api.llama_token * 128)()
+    n = api.llama_tokenize(api.llama_model_get_vocab(model), TEXT, len(TEXT), buf, 128, False, True)
+    tokens = list(buf[:n])
+    assert api.llama_decode(ctx, api.llama_batch_get_one(buf, n - 1)) == 0
+    dim = api.llama_model_n_embd(model)
+    rows = [np.ctypeslib.as_array(b.get_layer_inp(ctx, layer), shape=(n - 1, dim)).copy() for layer in layers]
+    return model, ctx, tokens, np.concatenate(rows, axis=1)
+
+
+def test_llama_cpp_extracts_the_layer_outputs_we_tap(smollm2):
+    """The +1 of dflash.target_layers: llama.cpp's input of layer t + 1 is our tap t (the output of
+    layer t, Hugging Face's hidden_states[t + 1]), not a neighbour."""
+    from transformers import AutoModelForCausalLM
+
+    from specforge.target.loading import converted_checkpoint
+
+    b = _binding()
+    taps = (1, 8, 14, 20, 27)
+    model, ctx, tokens, features = _target_features(b, smollm2["gguf"], [t + 1 for t in taps])
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(converted_checkpoint("smollm2")), dtype=torch.float32)
+        with torch.no_grad():
+            states = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        for k, t in enumerate(taps):
+            mine = features[:, k * 576:(k + 1) * 576]
+            err = {s: float(np.linalg.norm(mine - states[s + 1][0].numpy()) / np.linalg.norm(states[s + 1][0].numpy()))
+                   for s in (t - 1, t, t + 1)}
+            assert err[t] < 0.02 and err[t] < 0.5 * min(err[t - 1], err[t + 1]), (t, err)  # Q4_1 vs dequantized
+    finally:
+        b.api.llama_free(ctx)
+        b.api.llama_model_free(model)
+
+
+@pytest.mark.parametrize("name", list(EXPORTED))
+def test_llama_cpp_drafts_what_specforge_drafts_from_the_same_features(exported, smollm2, name):
+    """One block drafted by llama.cpp from the exported GGUF (its own layer inputs injected, then
+    ``[x_0, MASK, …]`` decoded non-causally, as its DSpark/DFlash speculator does) and by our
+    drafter on the same features: the same logits up to llama.cpp's arithmetic (an f16 KV cache,
+    bf16 or Q8_0 products), the same arg-max chain, −∞ outside the draft vocabulary."""
+    from specforge.toolkit.layers import SharedWeights
+
+    b = _binding()
+    api = b.api
+    source, path = exported[name]
+    backbone, head, _, _ = load_drafter(source)
+    backbone.float()
+    c = backbone.config
+    model, ctx, tokens, features = _target_features(b, smollm2["gguf"], [t + 1 for t in c.tap_layers])
+    draft = api.llama_model_load_from_file(str(path).encode(), api.llama_model_default_params())
+    params = _context(api, draft)
+    params.ctx_other = ctx  # a draft without its own embedding and LM head reads the target's
+    dctx = api.llama_init_from_model(draft, params)
+    batch = api.llama_batch_ext_init(dctx)
+    try:
+        api.llama_set_causal_attn(dctx, False)
+        n = len(tokens)
+        rows = np.ascontiguousarray(features, dtype=np.float32)
+        for i in range(n - 1):  # the context: the target's features at their positions
+            e = api.llama_embd(rows[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, rows.shape[1])
+            api.llama_batch_ext_set_pos(batch, api.llama_batch_ext_add_embd(batch, 0, e), (api.llama_pos * 4)(i, i, i, 0))
+        assert api.llama_process(dctx, api.LLAMA_PROCESS_TYPE_DECODE, batch) == 0
+        api.llama_batch_ext_clear(batch)
+        mask = api.llama_vocab_mask(api.llama_model_get_vocab(draft))
+        for j in range(c.block_len):  # the block: the anchor at its position, MASK after it
+            i = api.llama_batch_ext_add_token(batch, 0, tokens[-1] if j == 0 else mask)
+            api.llama_batch_ext_set_pos(batch, i, (api.llama_pos * 4)(n - 1 + j, 0, 0, 0))
+            api.llama_batch_ext_set_output_logits(batch, i, True)
+        assert api.llama_process(dctx, api.LLAMA_PROCESS_TYPE_DECODE, batch) == 0
+        n_vocab = api.llama_vocab_n_tokens(api.llama_model_get_vocab(draft))
+        theirs = np.stack([np.ctypeslib.as_array(api.llama_get_logits_ith(dctx, j), shape=(n_vocab,)).copy()
+                           for j in range(c.first_prediction, c.block_len)])
+    finally:
+        api.llama_batch_ext_free(batch)
+        for free, handle in ((api.llama_free, dctx), (api.llama_model_free, draft), (api.llama_free, ctx),
+                             (api.llama_model_free, model)):
+            free(handle)
+
+    head_dim = c.head_dim
+    inv_freq = 1.0 / 100000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)  # SmolLM2's RoPE base
+    backbone.bind(SharedWeights(embed=smollm2["embed"], lm_head=smollm2["embed"], inv_freq=inv_freq))
+    with torch.no_grad():
+        _, base = backbone(backbone.make_block(torch.tensor([tokens[-1]])), torch.from_numpy(features)[None],
+                           torch.tensor([n - 1]))
+    base = base[0]
+    vocab = backbone.vocab
+    ids = vocab.ids if vocab is not None else torch.arange(c.vocab_size)
+    ours, prev = [], tokens[-1]
+    for k in range(base.shape[0]):  # the Markov chain on the arg-max, as llama.cpp's graph runs it
+        row = base[k]
+        if head is not None:
+            rows_of = vocab.token_rows() if vocab is not None else torch.arange(c.vocab_size)
+            row = row + head.w1.float()[rows_of[prev]] @ head.w2.float()
+        ours.append(row)
+        prev = int(ids[int(row.argmax())])
+    ours = torch.stack(ours)
+    outside = np.delete(theirs, ids.numpy(), axis=1)
+    assert outside.size == 0 or np.isneginf(outside).all()
+    theirs = torch.from_numpy(theirs)[:, ids]
+    assert (ours - theirs).abs().max() < 0.25, (ours - theirs).abs().max()  # logits of magnitude ~10
+    for k in range(len(ours)):
+        top2 = ours[k].topk(2).values
+        if top2[0] - top2[1] < 0.5:  # a near tie: llama.cpp's arithmetic may pick the other one
+            break
+        assert int(ours[k].argmax()) == int(theirs[k].argmax()), k
 
 
 REFUSED = {
