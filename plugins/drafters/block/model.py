@@ -71,7 +71,8 @@ class DraftLayer(DraftLayerBase):
     def copy_from(self, target_layer: nn.Module) -> None:
         """Start from a target layer's weights: its input norm, its fused q/k/v projection split
         into ``wq`` and ``wkv`` (a q/k/v bias, which draft layers do not have, is left out) and
-        its output half (:meth:`~specforge.toolkit.layers.DraftLayerBase.copy_output_from`)."""
+        its output half (:meth:`~specforge.toolkit.layers.DraftLayerBase.copy_output_from`); q/k
+        norms the target's layers lack (Llama, SmolLM2) stay at one."""
         q_size = self.wq.weight.shape[0]
         wqkv = target_layer.wqkv.detach()
         if wqkv.shape[0] != q_size + self.wkv.weight.shape[0]:
@@ -80,7 +81,15 @@ class DraftLayer(DraftLayerBase):
         self.attn_norm.weight.copy_(target_layer.attn_norm.detach().float())
         self.wq.weight.copy_(wqkv[:q_size].float())
         self.wkv.weight.copy_(wqkv[q_size:].float())
-        self.copy_output_from(target_layer)
+        if self.c.qk_norm and not hasattr(target_layer, "q_norm"):  # a Llama target: no q/k norm to copy,
+            norms = self.q_norm, self.k_norm  # so the draft's start where a fresh one does (weights of one)
+            del self.q_norm, self.k_norm
+            try:
+                self.copy_output_from(target_layer)
+            finally:
+                self.q_norm, self.k_norm = norms
+        else:
+            self.copy_output_from(target_layer)
 
     def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         c = self.c
