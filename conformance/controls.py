@@ -29,6 +29,7 @@ from specforge.toolkit.admission import admission_path, global_count
 from specforge.toolkit.trees import is_child, verify_tree
 from specforge.toolkit.verification import VerifyInputs, accepted_prefix, gather_at, prepare
 from specforge_conformance.drafters import RandomDrafter, RandomDrafterConfig
+from specforge_conformance.probes import NEAR_ONE
 from specforge_plugins.schedulers import HardwareConfig
 from specforge_plugins.verifiers import RejectionConfig, RejectionVerifier
 
@@ -36,9 +37,11 @@ __all__ = [
     "CLAIMS",
     "CONTROL_CASES",
     "SUBTLE",
+    "SUBTLE_PROBE",
     "BatchSharedVerifier",
     "BonusDroppedVerifier",
     "CoolDrafter",
+    "NearOneVerifier",
     "OverAcceptVerifier",
     "PeekNextScheduler",
     "ResidualOffByOneVerifier",
@@ -66,6 +69,8 @@ class ResampleTargetVerifier(RejectionVerifier):
     from p after someone else's rejection.
     """
 
+    control = ("resample-target", "samples p instead of the residual after a rejection")
+
     def residual(self, p: Tensor, q: Tensor | None, x: Tensor) -> Tensor:
         return p
 
@@ -76,6 +81,10 @@ class _RejectionMechanics(RejectionVerifier):
 
     def accept_uniforms(self, inputs: VerifyInputs) -> Tensor:
         return inputs.uniforms[:, : inputs.gamma, 0]
+
+    def decide(self, u: Tensor, a: Tensor) -> Tensor:
+        """Which drafts are accepted, given their uniforms and acceptance probabilities."""
+        return u < a
 
     def emission(self, p: Tensor, inputs: VerifyInputs, n: Tensor) -> tuple[Tensor, Tensor]:
         """(accepted count, law of the emitted token) given the accepted prefix length ``n``."""
@@ -94,7 +103,7 @@ class _RejectionMechanics(RejectionVerifier):
         p = self.target_probs(inputs, sampling)
         g = inputs.gamma
         a = self.accept_probability(p[:, :g], inputs.probs, inputs.tokens)
-        n = accepted_prefix(self.accept_uniforms(inputs) < a, inputs.valid)
+        n = accepted_prefix(self.decide(self.accept_uniforms(inputs), a), inputs.valid)
         n, law = self.emission(p, inputs, n)
         return VerifyOutput(num_accepted=n, next_token=sample_with_uniform(law, self.emission_uniforms(inputs, n)))
 
@@ -108,6 +117,8 @@ class SharedUniformVerifier(_RejectionMechanics):
     that accepted x_1 with a small u accepts x_2 too), so the joint law of the block is wrong even
     though each position's marginal acceptance probability is right."""
 
+    control = ("shared-uniform", "one acceptance uniform for all positions of a block")
+
     def accept_uniforms(self, inputs: VerifyInputs) -> Tensor:
         return inputs.uniforms[:, :1, 0].expand(-1, inputs.gamma)
 
@@ -115,6 +126,8 @@ class SharedUniformVerifier(_RejectionMechanics):
 class BonusWrongRowVerifier(_RejectionMechanics):
     """When every verified draft is accepted, draws the bonus from row ℓ−1 (the law of x_ℓ)
     instead of row ℓ (the law after x_ℓ): an off-by-one in the flattened logits."""
+
+    control = ("bonus-wrong-row", "bonus token from row ℓ−1 instead of ℓ")
 
     def emission(self, p: Tensor, inputs: VerifyInputs, n: Tensor) -> tuple[Tensor, Tensor]:
         n, law = super().emission(p, inputs, n)
@@ -126,6 +139,8 @@ class BonusWrongRowVerifier(_RejectionMechanics):
 class BonusDroppedVerifier(_RejectionMechanics):
     """Never emits a bonus: a fully accepted block gives back its last draft and ends with a
     residual draw at that position, as if it had been rejected."""
+
+    control = ("bonus-dropped", "no bonus token; a full block ends with a residual draw")
 
     def emission(self, p: Tensor, inputs: VerifyInputs, n: Tensor) -> tuple[Tensor, Tensor]:
         full = (n == inputs.lengths) & (n > 0)
@@ -143,6 +158,8 @@ class BonusDroppedVerifier(_RejectionMechanics):
 class ResidualOffByOneVerifier(_RejectionMechanics):
     """After a rejection at position k ≥ 2, builds the residual from the draft law of position
     k − 1: an off-by-one in a per-position loop over a flattened q."""
+
+    control = ("residual-off-by-one", "residual after a rejection at k ≥ 2 built from q_{k-1}")
 
     def emission(self, p: Tensor, inputs: VerifyInputs, n: Tensor) -> tuple[Tensor, Tensor]:
         rows = torch.arange(p.shape[0])
@@ -164,6 +181,9 @@ class OverAcceptVerifier(_RejectionMechanics):
     """Accepts with probability min(1, factor · p(x)/q(x)): u/factor is compared where u should
     be — e.g. a tolerance meant for float error put on the wrong side."""
 
+    control = ("over-accept", "accepts with probability min(1, 1.05·p/q)")
+    config_class = OverAcceptConfig
+
     def __init__(self, config: OverAcceptConfig | None = None) -> None:
         super().__init__(config or OverAcceptConfig())
 
@@ -171,10 +191,33 @@ class OverAcceptVerifier(_RejectionMechanics):
         return inputs.uniforms[:, : inputs.gamma, 0] / self.config.factor
 
 
+class NearOneConfig(RejectionConfig):
+    tolerance: float = Field(0.05, gt=0, lt=1, description="drafts with p/q within this of 1 are accepted outright")
+
+
+class NearOneVerifier(_RejectionMechanics):
+    """Accepts every draft whose ratio p/q is within ``tolerance`` of 1 outright, and follows the
+    rule elsewhere — "close enough to 1" written into the comparison, e.g. a tolerance meant for
+    float error that is far too wide.  At p/q = 0.95 the draft is accepted with probability 1
+    instead of 0.95: the acceptance rate just below 1 moves by up to 5 %, the law of the output
+    by little, since such drafts are nearly always accepted anyway."""
+
+    control = ("near-one", "accepts outright where p/q ≥ 0.95")
+    config_class = NearOneConfig
+
+    def __init__(self, config: NearOneConfig | None = None) -> None:
+        super().__init__(config or NearOneConfig())
+
+    def decide(self, u: Tensor, a: Tensor) -> Tensor:
+        return (u < a) | (a >= 1 - self.config.tolerance)
+
+
 class BatchSharedVerifier(_RejectionMechanics):
     """Draws request r's bonus token with request r + 1's first sampling uniform (an off-by-one in
     the row of a per-request stream): each request's own law is still exact, but neighbouring
     requests of a batch are no longer independent."""
+
+    control = ("batch-shared", "request r's bonus token drawn with request r + 1's uniform")
 
     def emission_uniforms(self, inputs: VerifyInputs, n: Tensor) -> Tensor:
         rows = torch.arange(inputs.tokens.shape[0])
@@ -325,6 +368,7 @@ SUBTLE: dict[str, tuple[ComponentKind, dict]] = {
     "cool-drafter": (ComponentKind.DRAFTER, {"gamma": 3}),
     "residual-off-by-one": (ComponentKind.VERIFIER, {}),
     "over-accept": (ComponentKind.VERIFIER, {}),
+    "near-one": (ComponentKind.VERIFIER, {}),
     "batch-shared": (ComponentKind.VERIFIER, {}),
     "peek-next": (ComponentKind.SCHEDULER, {"theta": 0.5}),
     # Tree walks: run in the verifier's tree probe (probes.probe_cases), the shipped walk with
@@ -333,8 +377,12 @@ SUBTLE: dict[str, tuple[ComponentKind, dict]] = {
     "tree-late-sibling": (ComponentKind.VERIFIER, {}),
     "tree-leaky-residual": (ComponentKind.VERIFIER, {}),
 }
+# A subtle control that runs in another probe case of its kind than the first: the drafter of that
+# case (an error just below p/q = 1 lives where the tilted shadow puts its drafts).
+SUBTLE_PROBE = {"near-one": NEAR_ONE}
 # The statistic each subtle control is meant to be caught by.
 CLAIMS = {"cool-drafter": "draft law", "residual-off-by-one": "emission", "over-accept": "acceptance",
+          "near-one": "acceptance",
           "batch-shared": "cross-request", "peek-next": "selection", "tree-sibling-echo": "acceptance",
           "tree-late-sibling": "acceptance", "tree-leaky-residual": "emission"}
 
@@ -371,6 +419,8 @@ class TreeStaleResidualVerifier(_TreeWalkControl):
     """Tries every sibling against the node's fresh target law: the residual is never updated
     after a rejected sibling (and a node whose children were all rejected emits from p)."""
 
+    control = ("tree-stale-residual", "tree walk without the residual update after a rejected sibling")
+
     def walk_residual(self, p: Tensor, q: Tensor | None, x: Tensor) -> Tensor:
         return p
 
@@ -384,6 +434,8 @@ class TreeRejectedSubtreeVerifier(_TreeWalkControl):
     """After rejecting a child, still tries that child's own children as candidates, and reads
     the accepted path back from the deepest accepted node through its parents — so a rejected
     child comes back into the output with its accepted child."""
+
+    control = ("tree-rejected-subtree", "tree walk that tries a rejected child's children")
 
     child_of = staticmethod(_through_rejected)
 
@@ -419,6 +471,9 @@ class TreeSiblingEchoVerifier(_TreeWalkControl):
     uniform of the node before it (its elder sibling in breadth-first order): the randomness of
     one node leaks into another's decision, for some nodes only."""
 
+    control = ("tree-sibling-echo", "in some rows, every third sibling decided with its elder's uniform")
+    config_class = EchoConfig
+
     def __init__(self, config: EchoConfig | None = None) -> None:
         super().__init__(config or EchoConfig())
 
@@ -438,6 +493,9 @@ class TreeLateSiblingVerifier(_TreeWalkControl):
     """The third and later siblings of a node are accepted with min(1, 1.15·a) — their uniform
     is scaled — while the first two follow the rule."""
 
+    control = ("tree-late-sibling", "third and later siblings accepted with min(1, 1.15·a)")
+    config_class = LateSiblingConfig
+
     def __init__(self, config: LateSiblingConfig | None = None) -> None:
         super().__init__(config or LateSiblingConfig())
 
@@ -455,6 +513,9 @@ class TreeLeakyResidualVerifier(_TreeWalkControl):
     """After a rejected sibling the walk goes on with (1 − ε)·residual + ε·(the law before it):
     a residual update that is only mostly made (``tree-stale-residual`` is ε = 1)."""
 
+    control = ("tree-leaky-residual", "residual after a rejected sibling keeps 5 % of the law before")
+    config_class = LeakyResidualConfig
+
     def __init__(self, config: LeakyResidualConfig | None = None) -> None:
         super().__init__(config or LeakyResidualConfig())
 
@@ -465,32 +526,20 @@ class TreeLeakyResidualVerifier(_TreeWalkControl):
 # --- registration -----------------------------------------------------------------------------
 
 
+# Each names itself and its bug (``control``), and its config where it has parameters.
+_VERIFIERS = (ResampleTargetVerifier, SharedUniformVerifier, BonusWrongRowVerifier, BonusDroppedVerifier,
+              ResidualOffByOneVerifier, OverAcceptVerifier, NearOneVerifier, BatchSharedVerifier,
+              TreeStaleResidualVerifier, TreeRejectedSubtreeVerifier, TreeSiblingEchoVerifier, TreeLateSiblingVerifier,
+              TreeLeakyResidualVerifier)
+
+
 @hookimpl
 def specforge_register_verifiers(register):
-    register("resample-target", ResampleTargetVerifier, config=RejectionConfig, lossless=True,
-             description="NEGATIVE CONTROL: samples p instead of the residual after a rejection")
-    register("shared-uniform", SharedUniformVerifier, config=RejectionConfig, lossless=True,
-             description="NEGATIVE CONTROL: one acceptance uniform for all positions of a block")
-    register("bonus-wrong-row", BonusWrongRowVerifier, config=RejectionConfig, lossless=True,
-             description="NEGATIVE CONTROL: bonus token from row ℓ−1 instead of ℓ")
-    register("bonus-dropped", BonusDroppedVerifier, config=RejectionConfig, lossless=True,
-             description="NEGATIVE CONTROL: no bonus token; a full block ends with a residual draw")
-    register("residual-off-by-one", ResidualOffByOneVerifier, config=RejectionConfig, lossless=True,
-             description="NEGATIVE CONTROL: residual after a rejection at k ≥ 2 built from q_{k-1}")
-    register("over-accept", OverAcceptVerifier, config=OverAcceptConfig, lossless=True,
-             description="NEGATIVE CONTROL: accepts with probability min(1, 1.05·p/q)")
-    register("batch-shared", BatchSharedVerifier, config=RejectionConfig, lossless=True,
-             description="NEGATIVE CONTROL: request r's bonus token drawn with request r + 1's uniform")
-    register("tree-stale-residual", TreeStaleResidualVerifier, config=RejectionConfig, lossless=True, trees=True,
-             description="NEGATIVE CONTROL: tree walk without the residual update after a rejected sibling")
-    register("tree-rejected-subtree", TreeRejectedSubtreeVerifier, config=RejectionConfig, lossless=True,
-             trees=True, description="NEGATIVE CONTROL: tree walk that tries a rejected child's children")
-    register("tree-sibling-echo", TreeSiblingEchoVerifier, config=EchoConfig, lossless=True, trees=True,
-             description="NEGATIVE CONTROL: in some rows, every third sibling decided with its elder's uniform")
-    register("tree-late-sibling", TreeLateSiblingVerifier, config=LateSiblingConfig, lossless=True, trees=True,
-             description="NEGATIVE CONTROL: third and later siblings accepted with min(1, 1.15·a)")
-    register("tree-leaky-residual", TreeLeakyResidualVerifier, config=LeakyResidualConfig, lossless=True,
-             trees=True, description="NEGATIVE CONTROL: residual after a rejected sibling keeps 5 % of the law before")
+    # every one claims to be lossless; the tree walks verify trees
+    for cls in _VERIFIERS:
+        name, bug = cls.control
+        register(name, cls, config=getattr(cls, "config_class", RejectionConfig), lossless=True,
+                 trees=issubclass(cls, _TreeWalkControl), description=f"NEGATIVE CONTROL: {bug}")
 
 
 @hookimpl

@@ -15,7 +15,9 @@ makes it
 With ``spike`` > 0 each position k also puts that much mass on its own token s_k (a different one
 per position): the draft laws are then peaked and differ strongly between positions, rejections
 happen at every depth of a long accepted prefix, and a residual built from the wrong position's
-law is far from the right one.
+law is far from the right one.  With ``tilt`` > 0 each token's logit is moved by a small fixed
+random amount instead: p/q then lies close to 1 on both sides, where acceptance is neither certain
+nor rare and a rule that is off just below 1 shows.
 
 Registered by the conformance suite and by tests with ``host.add_plugin``, never through an entry
 point.
@@ -105,6 +107,9 @@ class ShadowDrafterConfig(BaseModel):
     noise: float = Field(0.05, ge=0, lt=1, description="weight of a uniform law mixed in (full support)")
     spike: float = Field(0.0, ge=0, lt=1, description="mass put on one token per position, a different "
                                                        "token at each position")
+    tilt: float = Field(0.0, ge=0, description="each token's logit moved by tilt·g_k(x), g_k a fixed random "
+                                               "table in [−1, 1] per position: p/q then lies within "
+                                               "[e^(−2·tilt), e^(2·tilt)] (at temperature 1, no noise or spike)")
     seed: int = Field(0, description="seed of the spike tokens")
 
     @model_validator(mode="after")
@@ -142,11 +147,13 @@ class ShadowDrafter:
         v = target.vocab_size
         # s_k for k = 0..γ-1: distinct while γ ≤ V
         self.spikes = torch.randperm(v, generator=gen).repeat(self.gamma // v + 1)[: self.gamma]
+        self.tilts = self.config.tilt * (2 * torch.rand(self.gamma, v, generator=gen) - 1)
 
     def law(self, logits: Tensor, k: int) -> Tensor:
         """q_k from the target's logits ``[R, V]`` at slot k."""
         c = self.config
-        law = (1 - c.noise - c.spike) * torch.softmax(logits / c.temperature, -1) + c.noise / logits.shape[-1]
+        law = (1 - c.noise - c.spike) * torch.softmax(logits / c.temperature + self.tilts[k], -1) \
+            + c.noise / logits.shape[-1]
         if c.spike:
             law[:, self.spikes[k]] += c.spike
         return law
@@ -172,7 +179,7 @@ class ShadowDrafter:
             seqs = [s + (t,) for s, t in zip(seqs, x.tolist())]
         probs = torch.stack([self.law(out_logits[:, k], k) for k in range(g)], 1)
         lengths = torch.minimum(torch.full((r,), g, dtype=torch.long), ctx.max_tokens)
-        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=out_logits / c.temperature,
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, logits=out_logits / c.temperature + self.tilts,
                           anchor=ctx.anchor)
 
     def _next_logits(self, seqs: list[tuple[int, ...]]) -> Tensor:

@@ -36,7 +36,7 @@ from specforge.registry import ComponentKind
 from specforge_conformance.combos import SLOTS, Combination
 from specforge_conformance.exact import ExactLaw, ReferenceSpec, exact_law, reference_target, sampling_target
 from specforge_conformance.rounds import RoundRecorder
-from specforge_conformance.stats import FitResult, detectable_tv, goodness_of_fit
+from specforge_conformance.stats import Band, FitResult, band_detectable, detectable_tv, goodness_of_fit
 
 __all__ = ["CASE_THREADS", "MIN_TAU", "MIN_VERIFIED", "STATISTICS", "Case", "CaseResult", "check_case", "exercised",
            "informative", "pilot", "run_case", "shares", "torch_threads"]
@@ -151,12 +151,23 @@ class CaseResult:
         return {name: detectable_tv(f, self.level, screen=SCREEN, factor=RERUN_FACTOR)
                 for name, f in self.tests.items()}
 
+    def detectable_bands(self) -> list[tuple[Band, float]]:
+        """Each band of declared acceptance probabilities the ``acceptance`` statistic saw, with
+        the smallest shift of that band's acceptance rate it detects with probability ≥ 99 %
+        under the two-stage rule (``inf``: a band too light to be tested)."""
+        fit = self.tests.get("acceptance")
+        return [] if fit is None else [
+            (band, band_detectable(fit, band, self.level, screen=SCREEN, factor=RERUN_FACTOR)) for band in fit.bands]
+
     @property
     def tau(self) -> float:
         return acceptance.tau(self.accepted, self.rounds) if self.rounds else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         mde = self.detectable()
+        tests = {name: {**f.to_dict(), "detectable": _finite(mde[name])} for name, f in self.tests.items()}
+        if "acceptance" in tests:
+            tests["acceptance"]["bands"] = [{**asdict(b), "detectable": _finite(t)} for b, t in self.detectable_bands()]
         return {
             "combination": self.case.combination.label(),
             "case": self.case.to_dict(),
@@ -164,8 +175,7 @@ class CaseResult:
             "alpha": self.alpha,
             "level": self.level,
             "fit": self.fit.to_dict(),
-            "tests": {name: {**f.to_dict(), "detectable": None if math.isinf(mde[name]) else mde[name]}
-                      for name, f in self.tests.items()},
+            "tests": tests,
             "tau": round(self.tau, 4),
             "trees": self.trees,
             "verified_share": round(shares(self)[0], 4),
@@ -174,6 +184,10 @@ class CaseResult:
             "seconds": round(self.seconds, 2),
             "rerun": None if self.rerun is None else self.rerun.to_dict(),
         }
+
+
+def _finite(t: float) -> float | None:
+    return None if math.isinf(t) else t
 
 
 @contextlib.contextmanager
@@ -223,26 +237,42 @@ def run_case(case: Case, host: PluginHost, law: ExactLaw | None = None, alpha: f
     with case_threads(case):
         engine = build_engine(case, host, target=sampling_target(case.reference), recorder=recorder)
         start = time.perf_counter()
-        requests = [GenerationRequest(prompt_ids=case.prompt, max_new_tokens=case.horizon, ignore_eos=True,
-                                      seed=case.seed + i) for i in range(case.n)]
-        outputs = engine.generate(requests)
+        outputs = _generate(engine, case, range(case.n))
         seconds = time.perf_counter() - start
+    result = _result(case, law, outputs, alpha, seconds)
+    result.tests["independence"] = independence(law.index(_sequences(outputs)), law.probs)
+    result.tests.update(recorder.fits())
+    result.trees = recorder.tree_rounds > 0
+    return result
+
+
+def _generate(engine: Engine, case: Case, ids: range) -> list:
+    """Requests ``ids`` of ``case`` (request i seeded with ``case.seed + i``) through ``engine``;
+    each must give ``case.horizon`` tokens."""
+    outputs = engine.generate([GenerationRequest(prompt_ids=case.prompt, max_new_tokens=case.horizon, ignore_eos=True,
+                                                 seed=case.seed + i) for i in ids])
     bad = [o for o in outputs if o.error is not None or len(o.token_ids) != case.horizon]
     if bad:
         o = bad[0]
         raise RuntimeError(f"request {o.request_id} produced {len(o.token_ids)} tokens "
                            f"(expected {case.horizon}): {o.error or o.finish_reason}")
-    cells = law.index(torch.tensor([o.token_ids for o in outputs], dtype=torch.long))
-    counts = torch.bincount(cells, minlength=law.probs.numel())
+    return outputs
+
+
+def _sequences(outputs: list) -> torch.Tensor:
+    return torch.tensor([o.token_ids for o in outputs], dtype=torch.long)
+
+
+def _result(case: Case, law: ExactLaw, outputs: list, alpha: float, seconds: float) -> CaseResult:
+    """The counts of ``outputs`` and the sequence statistic (the other statistics: the caller's)."""
+    counts = torch.bincount(law.index(_sequences(outputs)), minlength=law.probs.numel())
     fit = goodness_of_fit(counts, law.probs)
-    tests = {"sequence": fit, "independence": independence(cells, law.probs)}
-    tests.update(recorder.fits())
     stats = [o.stats for o in outputs]
     return CaseResult(
         case, fit, alpha, seconds,
         rounds=sum(s.rounds for s in stats), drafted=sum(s.drafted for s in stats),
         verified=sum(s.verified for s in stats), accepted=sum(s.accepted for s in stats), counts=counts,
-        tests=tests, trees=recorder.tree_rounds > 0,
+        tests={"sequence": fit},
     )
 
 
@@ -271,8 +301,23 @@ def exercised(result: CaseResult) -> bool:
 
 
 def pilot(case: Case, host: PluginHost, n: int = PILOT) -> CaseResult:
-    """A short run of ``case`` (its statistics unused) to see how much it verifies."""
-    return run_case(replace(case, n=n), host)
+    """A short run of ``case`` to see how much it verifies once its components have settled.
+
+    One batch of requests runs first, on the same engine: a scheduler's draft gate judges its
+    load band within a few rounds, ``async-topk`` takes its capacity from two rounds back, an
+    online calibrator refits — and what a case verifies over N requests is what they do then,
+    not in their first rounds (a pilot of only the first 160 requests, in one batch of 256, saw
+    ``async-topk`` verify every draft of its first two rounds, and chose a parameter set that
+    then verified 0.3 % of them).  The counts are those of the ``n`` requests after it; the
+    statistics (the sequence law only) are not used."""
+    law = case.law()
+    with case_threads(case):
+        engine = build_engine(case, host, target=sampling_target(case.reference))
+        _generate(engine, case, range(case.batch))
+        start = time.perf_counter()
+        outputs = _generate(engine, case, range(case.batch, case.batch + n))
+        seconds = time.perf_counter() - start
+    return _result(replace(case, n=n), law, outputs, 1e-6, seconds)
 
 
 def independence(cells: torch.Tensor, probs: torch.Tensor, buckets: int = PAIR_BUCKETS) -> FitResult:

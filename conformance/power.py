@@ -42,19 +42,20 @@ def control_host(host: PluginHost | None = None) -> PluginHost:
 
 
 def control_case(name: str, n: int | None = None, seed: int = 0, host: PluginHost | None = None) -> Case:
-    """The case a control runs in (a subtle control: its kind's first probe case, with the
-    control in its slot, at the fast tier's N for that kind; the others at N = 20,000), seeded
-    with ``seed``."""
+    """The case a control runs in (a subtle control: its kind's first probe case, or the one
+    :data:`~specforge_conformance.controls.SUBTLE_PROBE` names, with the control in its slot, at
+    the fast tier's N for that kind; the others at N = 20,000), seeded with ``seed``."""
     if name in controls.SUBTLE:
         from specforge_conformance.suite import TIERS
 
         kind, params = controls.SUBTLE[name]
         host = host or control_host()
         cases = probes.probe_cases(host, kind, name, n or TIERS["fast"].size(kind))
-        # a tree verifier's bug lives in its tree probe (the one whose drafter proposes trees)
+        # a tree verifier's bug lives in its tree probe (the one whose drafter proposes trees), a
+        # control named in SUBTLE_PROBE in the probe of that drafter
         trees = kind is ComponentKind.VERIFIER and host.get(kind, name).metadata.trees
-        case = next((c for c in cases if trees and host.get(ComponentKind.DRAFTER, c.pipeline["drafter"][0])
-                     .metadata.trees), cases[0])
+        case = next((c for c in cases if c.pipeline["drafter"] == controls.SUBTLE_PROBE.get(name) or (
+            trees and host.get(ComponentKind.DRAFTER, c.pipeline["drafter"][0]).metadata.trees)), cases[0])
         pipeline = {**case.pipeline, kind.value: (name, params)}
         return replace(case, pipeline=pipeline, seed=seed)
     spec = dict(controls.CONTROL_CASES[name])
@@ -88,7 +89,7 @@ def _seed_record(tests: Mapping[str, FitResult]) -> dict[str, dict[str, Any]]:
 
 
 def _seed_tests(record: Mapping[str, Mapping[str, Any]]) -> dict[str, FitResult]:
-    return {k: FitResult(**f) for k, f in record.items()}
+    return {k: FitResult.from_dict(f) for k, f in record.items()}
 
 
 def run_controls(names: Iterable[str] | None = None, seeds: int = 20, n: int | None = None,

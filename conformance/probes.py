@@ -9,13 +9,15 @@ in *probe cases* built for its kind, around it only suite-owned parts whose beha
 kind       probe cases (horizon 4, vocabulary 8, T = 1 unless said)
 ========== ==================================================================================
 verifier   ``shadow`` with a per-position spike (long accepted prefixes, rejections at every
-           depth, residuals far apart between positions); the one-hot (deterministic-draft)
-           path is met in the combinations with ``ngram``, under the same statistics; a
-           verifier that verifies trees also meets ``random-tree`` twice: four top-k
-           children of the anchor and two under each (every sibling's acceptance strictly
-           between 0 and 1, up to three rejected siblings), and three i.i.d. children with two
-           under each (repeated tokens among siblings, sampled q); a verifier that declares
-           its rule is replayed there node by node
+           depth, residuals far apart between positions); ``shadow`` tilted by at most ±0.07
+           per logit, at T = 1.5 (p/q close to 1 on both sides: acceptance just below certain,
+           where a rule off by a few percent hides; not for a greedy-only verifier); the one-hot
+           (deterministic-draft) path is met in the combinations with ``ngram``, under the
+           same statistics; a verifier that verifies trees also meets ``random-tree`` twice:
+           four top-k children of the anchor and two under each (every sibling's acceptance
+           strictly between 0 and 1, up to three rejected siblings), and three i.i.d. children
+           with two under each (repeated tokens among siblings, sampled q); a verifier that
+           declares its rule is replayed there node by node
 drafter    the drafter with ``rejection`` and ``fixed`` at T = 1, and at T = 0.8 with top-p 0.9
            (its reported q checked slot by slot by the draft-law statistic)
 confidence ``random`` (sequential, peaked) → the estimator → ``probe-median``: a slot is verified
@@ -24,7 +26,8 @@ confidence ``random`` (sequential, peaked) → the estimator → ``probe-median`
 calibrator the same, with ``probe-prev`` confidence and the calibrator between
 scheduler  ``random`` → ``probe-prev`` (c_k a strong function of x_{k−1}, so a rule that reads a
            later slot reads the token) → the scheduler at batch 32, with the declared parameter
-           set that verifies closest to half of the drafted slots in a short pilot run
+           set that makes the most undecided verify decisions per round (drafted slots × s(1 − s),
+           s the share verified) in a short pilot run
 ========== ==================================================================================
 
 The sample size and vocabulary come from a power calculation (:func:`size_case`).  The probe
@@ -124,6 +127,13 @@ _DEFAULTS = {kind.value: (DEFAULT_COMPONENTS[kind], {}) for kind in ComponentKin
              if kind is not ComponentKind.VERIFIER}
 _REJECTION = ("rejection", {})
 _SPIKY = ("shadow", {"gamma": 3, "temperature": 1.0, "noise": 0.05, "spike": 0.3})
+# The target's own law at T = 1.5 (the case's too: flatter laws, more distinct drafts, and the
+# temperature path of the verifier) with every logit moved by at most ±0.07: p/q within
+# [0.87, 1.15], so about half of the drafts are accepted with a probability just below 1 — where a
+# rule that is off by a few percent hides from the output law (the acceptance statistic's fine
+# bands are there; a tilt of 0.1 left the band 0.98–0.99 thin, 0.05 the band 0.9–0.95).
+NEAR_T = 1.5
+NEAR_ONE = ("shadow", {"gamma": 3, "temperature": NEAR_T, "noise": 0.0, "tilt": 0.07})
 _SEQUENTIAL = ("random", {"gamma": 3, "sharpness": 2.0})
 # Two trees.  Deterministic (top-k, one-hot q) children of the target's own perturbed law, four
 # under the anchor and two under each: the acceptance of the j-th sibling is the residual's mass
@@ -157,8 +167,9 @@ def probe_cases(host: PluginHost, kind: ComponentKind, name: str, n: int, seed: 
     if kind is ComponentKind.VERIFIER:
         if not meta.lossless:
             return []
-        spiky = Case(pipeline=_pipeline(drafter=_SPIKY, verifier=mine), batch=256)
-        cases = [spiky]
+        cases = [Case(pipeline=_pipeline(drafter=_SPIKY, verifier=mine), batch=256)]
+        if not meta.greedy_only:  # (at T = 0 every decision is certain: nothing lies near the threshold)
+            cases.append(Case(pipeline=_pipeline(drafter=NEAR_ONE, verifier=mine), batch=256, temperature=NEAR_T))
         if meta.trees:  # and its walk over trees: rejected siblings, residual updates, subtrees
             # (at T = 0 — a greedy-only verifier — every decision is certain: one tree suffices)
             trees = _TREES[:1] if meta.greedy_only else _TREES
@@ -166,10 +177,9 @@ def probe_cases(host: PluginHost, kind: ComponentKind, name: str, n: int, seed: 
             cases += [Case(pipeline=_pipeline(drafter=tree, verifier=mine), batch=256) for tree in trees]
         if meta.greedy_only:
             cases = [replace(c, temperature=0.0) for c in cases]
-        # the top-k tree at the chain case's N (its decisions carry the information), the iid
-        # one at half of it (its output law is most of what it tests)
-        sizes = [n, n, n // 2][:len(cases)]
-        return [_finish(c, size, seed, "verifier") for c, size in zip(cases, sizes)]
+        # the chains and the top-k tree at the tier's N (their decisions carry the information), the
+        # iid tree at half of it (its output law is most of what it tests)
+        return [_finish(c, n // 2 if c.pipeline["drafter"] == _TREES[1] else n, seed, "verifier") for c in cases]
     if kind is ComponentKind.DRAFTER:
         if name in SUITE_DRAFTERS:
             return []
@@ -198,12 +208,21 @@ def probe_cases(host: PluginHost, kind: ComponentKind, name: str, n: int, seed: 
 
 
 def _most_selective(cases: list[Case], host: PluginHost) -> Case:
-    """The case whose scheduler verifies closest to half of the drafted slots in a short pilot
-    run: a parameter set under which it verifies everything or nothing decides nothing (a
-    step curve that admits no draft at this batch size, a threshold above every confidence)."""
+    """The case whose scheduler makes the most verify decisions that could have gone either way
+    in a short pilot run: drafted slots per round × s(1 − s), s the share of them verified.  A
+    parameter set under which it verifies everything or nothing decides nothing (a step curve
+    that admits no draft at this batch size, a threshold above every confidence), and one whose
+    draft gate runs most rounds plain decides little, whatever share of its few drafts it
+    verifies."""
     if len(cases) == 1:
         return cases[0]
-    return min(cases, key=lambda case: abs(shares(pilot(case, host))[0] - 0.5))
+
+    def decisions(case: Case) -> float:
+        result = pilot(case, host)
+        s = shares(result)[0]
+        return result.drafted / max(result.rounds, 1) * s * (1 - s)
+
+    return max(cases, key=decisions)  # the first of equals
 
 
 def _sequential_for(host: PluginHost, needs: set[str]) -> dict | None:

@@ -13,16 +13,17 @@ The mechanism statistics (docs/conformance.md#what-each-statistic-sees) are chi-
   draft law q_k a drafter reports, the residual a verifier declares) has a randomised probability
   integral transform that is exactly U[0, 1), whatever the rows are; its histogram, per stratum
   (position, rejection position), is tested against the flat one;
-* :func:`bernoulli_fit` — acceptance events with declared probabilities a_i: per bin of a (and
-  stratum: a tree's sibling index), (Σ accepted − Σ a)² / Σ a(1 − a), summed, is χ² with one
-  degree of freedom per bin;
+* :func:`bernoulli_fit` — acceptance events with declared probabilities a_i: per band of a
+  (:data:`ACCEPT_BANDS`, fine just below 1) and stratum (a tree's sibling index),
+  (Σ accepted − Σ a)² / Σ a(1 − a), summed, is χ² with one degree of freedom per band;
 * :func:`pair_fit` / :func:`square_fit` — pairs of PITs that must be independent uniforms: their
   distance (shared random numbers), or their cell on a grid of the unit square (any dependence).
 
 Every :class:`FitResult` carries its *information* I: a deviation of size t (total variation on
 the test's cells, or the acceptance-probability shift of :func:`bernoulli_fit`) gives the test a
 non-centrality λ ≥ I·t².  :func:`detectable_tv` turns that into the smallest t the test catches
-with probability ≥ 99 % at its level — the minimum detectable effect the suite reports.
+with probability ≥ 99 % at its level — the minimum detectable effect the suite reports;
+:func:`band_detectable` does the same for one band of acceptance probabilities.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DETECT", "FitResult", "bernoulli_fit", "pair_fit", "chi2_isf", "chi2_sf", "detectable_tv", "goodness_of_fit",
-           "merge_cells", "noncentrality", "pit", "power", "predicted_power", "square_fit", "total_variation",
-           "uniformity_fit"]
+__all__ = ["ACCEPT_BANDS", "DETECT", "Band", "FitResult", "band_detectable", "band_label", "bernoulli_fit", "chi2_isf",
+           "chi2_sf", "detectable_tv", "goodness_of_fit", "merge_cells", "noncentrality", "pair_fit", "pit", "power",
+           "predicted_power", "square_fit", "total_variation", "uniformity_fit"]
 
 MIN_EXPECTED = 5.0
 DETECT = 0.99  # the detection probability a stated minimum detectable effect refers to
@@ -51,7 +52,6 @@ def chi2_sf(x: float, df: int) -> float:
                                          torch.tensor(x / 2, dtype=torch.float64)))
 
 
-@functools.lru_cache(maxsize=4096)
 @functools.lru_cache(maxsize=4096)
 def chi2_isf(alpha: float, df: int) -> float:
     """The x with P(χ²_df > x) = alpha (bisection on :func:`chi2_sf`; remembered, since
@@ -105,6 +105,40 @@ def merge_cells(probs: Tensor, n: int, min_expected: float = MIN_EXPECTED) -> Te
     return group
 
 
+# Bands of the declared acceptance probability a that :func:`bernoulli_fit` tests one by one (inner
+# edges).  Under the rejection rule a = min(1, p/q), so below 1 they are bands of p/q: coarse where
+# a moves much of the output law, fine just below 1, where a rule that is off by a few percent
+# (a tolerance on the wrong side of the comparison) moves the whole-sequence law little and the
+# acceptance rate a lot — at p/q = 0.95 a 5 % error turns 0.95 into 1.
+ACCEPT_BANDS = (0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99)
+
+
+@dataclass(frozen=True)
+class Band:
+    """One band of declared acceptance probabilities [lo, hi) in one stratum of a
+    :func:`bernoulli_fit`: how often its events happened against how often they should have.
+
+    ``information`` I_b: a shift t of the acceptance rate of this band alone gives the test a
+    non-centrality λ = I_b·t² (n_b²/V_b for a band tested on its own; n_b²/V_pool for one tested
+    in the pool of light bands; 0 for one too light to be tested at all)."""
+
+    stratum: int
+    lo: float
+    hi: float
+    n: int
+    declared: float  # mean declared acceptance probability of its events
+    observed: float  # the share of them that happened
+    information: float
+
+    @property
+    def label(self) -> str:
+        return band_label(self.lo, self.hi)
+
+
+def band_label(lo: float, hi: float) -> str:
+    return f"{lo:g}–{hi:g}"
+
+
 @dataclass(frozen=True)
 class FitResult:
     """Outcome of one goodness-of-fit test."""
@@ -117,6 +151,7 @@ class FitResult:
     tv: float  # total variation between the empirical and the exact law (all cells)
     impossible: int  # samples that landed on probability-0 sequences
     information: float | None = None  # I with λ ≥ I·t² for a deviation t; None: 4·n (Pearson, TV)
+    bands: tuple[Band, ...] = ()  # bernoulli_fit: each band of declared probabilities on its own
 
     @property
     def info(self) -> float:
@@ -127,6 +162,15 @@ class FitResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FitResult:
+        """The inverse of :meth:`to_dict` (keys it does not know, like a report's ``detectable``,
+        are left out)."""
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        bands = tuple(Band(**{k: v for k, v in b.items() if k in Band.__dataclass_fields__})
+                      for b in known.pop("bands", ()))
+        return cls(**known, bands=bands)
 
 
 def goodness_of_fit(counts: Tensor, probs: Tensor) -> FitResult:
@@ -242,18 +286,20 @@ def uniformity_fit(values: Tensor, strata: Tensor, impossible: int = 0, bins: in
     return FitResult(n, cells, statistic, max(df, 1), p_value, dev / (2 * n), impossible)
 
 
-def bernoulli_fit(prob: Tensor, outcome: Tensor, bins: int | None = None, strata: Tensor | None = None) -> FitResult:
+def bernoulli_fit(prob: Tensor, outcome: Tensor, strata: Tensor | None = None,
+                  edges: tuple[float, ...] = ACCEPT_BANDS) -> FitResult:
     """Test that events ``outcome`` ``[M]`` (bool) happen with the declared ``prob`` ``[M]``.
 
     An event that happens at probability 0, or fails at probability 1, is impossible.  The rest
-    are binned by probability — within each stratum when ``strata`` ``[M]`` are given (a tree's
-    sibling index, so that a rule broken for the third sibling only is not diluted by the
-    first); each bin with Σ a(1 − a) ≥ 2.5 contributes one z², the others are pooled into one
-    more bin when that pool is large enough.  The TV reported is the mean |observed − declared|
+    are grouped in bands of their probability (``edges``: :data:`ACCEPT_BANDS`) — within each
+    stratum when ``strata`` ``[M]`` are given (a tree's sibling index, so that a rule broken for
+    the third sibling only is not diluted by the first); each band with Σ a(1 − a) ≥ 2.5
+    contributes one z² = (Σ happened − Σ a)² / Σ a(1 − a), the others are pooled into one more
+    when that pool is large enough.  The TV reported is the mean |observed − declared|
     acceptance rate.  A shift t of every probability of one stratum gives λ = t²·Σ_b n_b² / V_b
-    over that stratum's bins; the information of the test is the smallest of those (the
-    stratum a bug would be hardest to see in).  ``bins`` per stratum: 10 without strata, 4 with
-    them (fewer degrees of freedom for the same information)."""
+    over that stratum's bands; the information of the test is the smallest of those (the
+    stratum a bug would be hardest to see in).  Every band is also reported on its own
+    (:attr:`FitResult.bands`, with its information: :func:`band_detectable`)."""
     a = prob.to(torch.float64).clamp(0.0, 1.0)
     hit = outcome.to(torch.bool)
     impossible = int(((a <= 0) & hit).sum() + ((a >= 1) & ~hit).sum())
@@ -262,11 +308,11 @@ def bernoulli_fit(prob: Tensor, outcome: Tensor, bins: int | None = None, strata
     n = int(a.numel())
     if n == 0:
         return FitResult(0, 0, 0.0, 1, 1.0, 0.0, impossible, 0.0)
-    bins = bins or (10 if strata is None else 4)
-    layer = torch.zeros_like(a, dtype=torch.long) if strata is None else torch.unique(
-        strata.to(torch.long)[live], return_inverse=True)[1]
+    bins = len(edges) + 1
+    ids, layer = (torch.zeros(1, dtype=torch.long), torch.zeros_like(a, dtype=torch.long)) if strata is None else \
+        torch.unique(strata.to(torch.long)[live], return_inverse=True)
     cells = int(layer.max()) + 1
-    b = layer * bins + (a * bins).to(torch.long).clamp(max=bins - 1)
+    b = layer * bins + torch.bucketize(a, torch.tensor(edges, dtype=torch.float64), right=True)
     size = cells * bins
     obs = torch.zeros(size, dtype=torch.float64).index_add_(0, b, hit)
     exp = torch.zeros(size, dtype=torch.float64).index_add_(0, b, a)
@@ -275,8 +321,9 @@ def bernoulli_fit(prob: Tensor, outcome: Tensor, bins: int | None = None, strata
     of = torch.arange(size) // bins  # each bin's stratum
     keep = var >= 2.5
     rest = ~keep & (cnt > 0)
+    pooled = bool(rest.any()) and float(var[rest].sum()) >= 2.5
     o, e, v, c, s = obs[keep], exp[keep], var[keep], cnt[keep], of[keep]
-    if bool(rest.any()) and float(var[rest].sum()) >= 2.5:
+    if pooled:
         # the pool's shift counts for no single stratum: it carries a stratum of its own
         o, e, v, c = (torch.cat([t, u[rest].sum().reshape(1)]) for t, u in ((o, obs), (e, exp), (v, var), (c, cnt)))
         s = torch.cat([s, torch.tensor([cells])])
@@ -287,7 +334,14 @@ def bernoulli_fit(prob: Tensor, outcome: Tensor, bins: int | None = None, strata
     per_stratum = torch.zeros(cells + 1, dtype=torch.float64).index_add_(0, s, c ** 2 / v)[:cells]
     seen = per_stratum[per_stratum > 0]
     info = float(seen.min()) if seen.numel() else 0.0
-    return FitResult(n, df, statistic, df, chi2_sf(statistic, df), float((o - e).abs().sum()) / n, impossible, info)
+    pool_var = float(var[rest].sum()) if pooled else math.inf
+    bounds = (0.0, *edges, 1.0)
+    bands = tuple(
+        Band(int(ids[j // bins]), bounds[j % bins], bounds[j % bins + 1], int(cnt[j]), float(exp[j] / cnt[j]),
+             float(obs[j] / cnt[j]), float(cnt[j] ** 2 / (var[j] if keep[j] else pool_var)))
+        for j in cnt.nonzero().squeeze(1).tolist())
+    return FitResult(n, df, statistic, df, chi2_sf(statistic, df), float((o - e).abs().sum()) / n, impossible, info,
+                     bands)
 
 
 def square_fit(pairs: Tensor, strata: Tensor, side: int = 4) -> FitResult:
@@ -298,6 +352,14 @@ def square_fit(pairs: Tensor, strata: Tensor, side: int = 4) -> FitResult:
     numbers show; this one sees any joint law that is not the product.)"""
     v1, v2 = pairs[:, 0].to(torch.float64), pairs[:, 1].to(torch.float64)
     return uniformity_fit(((v1 * side).floor().clamp(max=side - 1) + v2) / side, strata, bins=side * side)
+
+
+def band_detectable(fit: FitResult, band: Band, alpha: float, screen: float | None = None, factor: int = 10,
+                    detect: float = DETECT) -> float:
+    """The smallest shift of the acceptance rate of ``band`` alone (one band of a
+    :func:`bernoulli_fit`) that the whole statistic detects with probability ≥ ``detect``: as
+    :func:`detectable_tv`, with the band's information and the statistic's degrees of freedom."""
+    return _detectable(band.information, fit.df, alpha, screen, factor, detect)
 
 
 def detectable_tv(fit: FitResult, alpha: float, screen: float | None = None, factor: int = 10,

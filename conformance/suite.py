@@ -34,8 +34,10 @@ from specforge_conformance import probes
 from specforge_conformance.combos import Combination, certification_blocker, combinations, covering_set
 from specforge_conformance.deterministic import Check, component_checks, deterministic_checks
 from specforge_conformance.fingerprint import code_fingerprint
-from specforge_conformance.harness import (CASE_THREADS, MIN_TAU, STATISTICS, Case, CaseResult, check_case, exercised,
-                                          shares, torch_threads)
+from specforge_conformance.harness import (CASE_THREADS, MIN_TAU, MIN_VERIFIED, STATISTICS, Case, CaseResult,
+                                          check_case, exercised, shares, torch_threads)
+from specforge_conformance.rounds import SIBLING_STRATA
+from specforge_conformance.stats import ACCEPT_BANDS, band_label
 from specforge_conformance.summary import OTHER_SHARD
 from specforge_conformance.strategies import CANDIDATES, case_strategy, draw_cases, informative_cases
 
@@ -134,6 +136,8 @@ class SuiteReport:
             "combinations": [c.to_dict() for c in self.combos],
             "components": {name: [k.to_dict() for k in ks] for name, ks in self.component_checks.items()},
             "detectable": self.detectable_by_kind(),
+            "detectable_bands": {row: {label: None if math.isinf(t) else t for label, t in book.items()}
+                                 for row, book in self.detectable_by_band().items()},
         }
 
     def detectable_by_kind(self) -> dict[str, dict[str, float]]:
@@ -159,6 +163,23 @@ class SuiteReport:
             worst = out.setdefault(kind, {})
             for stat, t in book.items():
                 worst[stat] = max(worst.get(stat, 0.0), t)
+        return out
+
+    def detectable_by_band(self) -> dict[str, dict[str, float]]:
+        """Per verifier probed, the smallest shift of the acceptance rate of each band of declared
+        acceptance probabilities (:data:`~specforge_conformance.stats.ACCEPT_BANDS`) that its probe
+        cases detect: the smallest over its cases, as for :meth:`detectable_by_kind`; a token tree's
+        bands per sibling index (``rejection (trees, child 2)``).  A band no case put a draft in is
+        absent; ``inf``: too few there to be tested."""
+        out: dict[str, dict[str, float]] = {}
+        for c in self.combos:
+            if c.role != ComponentKind.VERIFIER.value:
+                continue
+            for r in c.results:
+                for band, t in r.detectable_bands():
+                    child = f"{band.stratum + 1}{'+' if band.stratum + 1 >= SIBLING_STRATA else ''}"
+                    book = out.setdefault(c.combination.verifier + (f" (trees, child {child})" if r.trees else ""), {})
+                    book[band.label] = min(book.get(band.label, math.inf), t)
         return out
 
     def table(self) -> str:
@@ -189,7 +210,7 @@ class SuiteReport:
         for name, ks in self.component_checks.items():
             for k in ks:
                 lines.append(f"{name}: {k.name} {'ok' if k.passed else 'FAILED'} — {k.detail}")
-        return "\n".join(lines) + "\n\n" + self.detectable_table()
+        return "\n".join(lines) + "\n\n" + self.detectable_table() + self.band_table()
 
     def detectable_table(self) -> str:
         """What the run detects with probability ≥ 99 %, per kind under test: the worst case's
@@ -204,6 +225,22 @@ class SuiteReport:
         return ("minimum detectable effect (≥ 99 % power, worst case per kind; '-': statistic not applicable; "
                 "≥ 0.5: some case of that kind gives it (almost) no data)\n"
                 + "\n".join(_columns(rows)))
+
+    def band_table(self) -> str:
+        """What each verifier's probes detect in each band of declared acceptance probabilities
+        (empty when no verifier was probed)."""
+        book = self.detectable_by_band()
+        if not book:
+            return ""
+        bounds = (0.0, *ACCEPT_BANDS, 1.0)
+        labels = [band_label(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        rows = [("verifier", *labels)]
+        for row, b in book.items():
+            rows.append((row, *(("-" if label not in b else "∞" if math.isinf(b[label]) else
+                                 "≥ 0.5" if b[label] >= 0.5 else f"{b[label]:.3f}") for label in labels)))
+        return ("\n\nacceptance rate per band of the declared acceptance probability a (min(1, p/q) under the "
+                "rejection rule): the smallest shift of one band's rate the verifier's probes detect (≥ 99 % power; "
+                "'-': no draft there; ∞: too few to test)\n" + "\n".join(_columns(rows)))
 
     def explain(self) -> str:
         """What failed and how to reproduce it."""
@@ -376,9 +413,18 @@ def _run_suite(host: PluginHost | None, tier: str, plugins: Iterable[str], alpha
 
 
 def _idle(results: list[CaseResult]) -> str:
-    """Why a combination's cases certify nothing: how little of what was drafted was verified."""
-    parts = [f"verified {v:.0%} and accepted {a:.0%} of {r.drafted:,} drafted tokens (τ {r.tau:.2f})"
-             for r in results for v, a in [shares(r)]]
+    """Why a combination's cases certify nothing: how little of what was drafted was verified,
+    and where it stopped — rounds run plain (a draft gate that judged drafting does not pay at
+    this load), drafts the scheduler did not admit, or verified drafts all rejected."""
+    parts = []
+    for r in results:
+        verified, accepted = shares(r)
+        per_round = r.drafted / max(r.rounds, 1)
+        why = ("most rounds ran plain (a draft gate judged that drafting does not pay at this load)" if per_round < 0.5
+               else "the scheduler admitted few drafts (its step curve or threshold at this batch)"
+               if verified < MIN_VERIFIED else "nearly every verified draft was rejected")
+        parts.append(f"{per_round:.2f} tokens drafted a round, {verified:.0%} of them verified and {accepted:.0%} "
+                     f"accepted (τ {r.tau:.3f}): {why}")
     return ("no case verifies enough to test the components that verification exercises (" + "; ".join(parts)
             + f"; exercised: some verified and τ ≥ {MIN_TAU})")
 

@@ -37,16 +37,21 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return doc
 
 
+def _absent(result: dict[str, Any] | None, source: str | None, command: str, key: str) -> bool:
+    """Whether a section's result was not given; one given must be ``command``'s (hold ``key``)."""
+    if result is not None and key not in result:
+        raise InteropError(f"{source}: not a `{command}` result (no '{key}')")
+    return result is None
+
+
 def _tau_section(evaluation: dict[str, Any] | None, source: str | None) -> list[str]:
     # Imported on the call: the evaluation package loads its runner and the engine, which a card
     # without a τ table — and every other export — never needs.
     from specforge.evaluation.report import table
 
-    if evaluation is None:
+    if _absent(evaluation, source, "specforge eval", "results"):
         return ["Not measured for this card: `specforge eval --config <pipeline serving this drafter> --out DIR` "
                 "writes the result; pass it with `--eval DIR/eval.json`."]
-    if "results" not in evaluation:
-        raise InteropError(f"{source}: not a `specforge eval` result (no 'results')")
     settings = evaluation.get("settings", {})
     return [f"From `{Path(source).name}`: {settings.get('prompts', '?')} prompts per set, up to "
             f"{settings.get('max_new_tokens', '?')} new tokens, concurrency {settings.get('concurrency', 1)}; τ is the "
@@ -55,11 +60,9 @@ def _tau_section(evaluation: dict[str, Any] | None, source: str | None) -> list[
 
 
 def _conformance_section(result: dict[str, Any] | None, source: str | None) -> list[str]:
-    if result is None:
+    if _absent(result, source, "specforge conformance", "passed"):
         return ["Not run for this card: `specforge conformance --plugin <name> --out conformance.json`; pass the "
                 "file with `--conformance`."]
-    if "passed" not in result:
-        raise InteropError(f"{source}: not a `specforge conformance` result (no 'passed')")
     cases = result.get("combinations") or []
     seeds = result.get("seeds")
     return [f"`specforge conformance` ({result.get('tier', '?')} tier, level α = {result.get('alpha', '?')} per case"

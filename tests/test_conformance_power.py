@@ -16,9 +16,9 @@ from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
 from specforge_conformance import controls, probes
 from specforge_conformance.deterministic import calibrator_causality, declared_law, scheduler_causality
-from specforge_conformance.harness import STATISTICS, run_case
+from specforge_conformance.harness import STATISTICS, exercised, run_case, shares
 from specforge_conformance.power import CASE_ALPHA, LEVEL, control_case, control_host
-from specforge_conformance.stats import FitResult, bernoulli_fit, detectable_tv, pit, uniformity_fit
+from specforge_conformance.stats import FitResult, band_detectable, bernoulli_fit, detectable_tv, pit, uniformity_fit
 from specforge_conformance.suite import run_suite
 from specforge_plugins.verifiers import RejectionConfig, RejectionVerifier
 
@@ -141,13 +141,20 @@ def test_calibrator_causality(xhost):
 def test_probe_cases_reach_their_mechanism(chost):
     """Each probe case is sized by the power calculation and leaves room for a whole block."""
     verifier = probes.probe_cases(chost, ComponentKind.VERIFIER, "rejection", 20_000)
-    assert len(verifier) == 3 and all(c.horizon == 4 and c.vocab == 8 for c in verifier)
+    assert len(verifier) == 4 and all(c.horizon == 4 and c.vocab == 8 for c in verifier)
     assert verifier[0].pipeline["drafter"][1]["spike"] > 0
+    # a chain whose drafts sit just below and above p/q = 1, at the tier's N
+    near = verifier[1]
+    assert near.pipeline["drafter"] == probes.NEAR_ONE and near.temperature == probes.NEAR_T and near.n == 20_000
     # it verifies trees: the top-k tree of the target's law at full N, the iid one at half
-    top, iid = verifier[1:]
+    top, iid = verifier[2:]
     assert top.pipeline["drafter"] == ("random-tree", {"branching": [4, 2], "children": "top", "source": "target"})
     assert top.n == 20_000 and iid.pipeline["drafter"][0] == "random-tree" and iid.n == 10_000
     assert not probes.probe_cases(chost, ComponentKind.VERIFIER, "typical", 20_000)  # lossy
+    # at T = 0 every decision is certain: a greedy-only verifier gets no case near the threshold
+    greedy = probes.probe_cases(chost, ComponentKind.VERIFIER, "greedy", 20_000)
+    assert [c.pipeline["drafter"][0] for c in greedy] == ["shadow", "random-tree"]
+    assert all(c.temperature == 0 for c in greedy)
     scheduler = probes.probe_cases(chost, ComponentKind.SCHEDULER, "threshold", 20_000)
     assert scheduler[0].pipeline["confidence"][0] == "probe-prev"
 
@@ -169,6 +176,55 @@ def test_every_subtle_control_is_caught_by_the_statistic_that_claims_it(name, ch
     result = run_case(case, chost, alpha=CASE_ALPHA)
     claimed = result.tests[controls.CLAIMS[name]]
     assert claimed.rejects(LEVEL), (name, {k: f.p_value for k, f in result.tests.items()})
+
+
+def test_the_acceptance_test_sees_an_error_just_below_one_in_its_band():
+    """Acceptance events spread over (0.85, 1): a rule that accepts outright where a ≥ 0.95 is
+    off by at most 5 % in two narrow bands; each band reports its rate against the declared one,
+    and the smallest shift of that rate the test detects."""
+    g = torch.Generator().manual_seed(4)
+    a = 0.85 + 0.15 * torch.rand(60_000, generator=g, dtype=torch.float64)
+    u = torch.rand(60_000, generator=g, dtype=torch.float64)
+    assert bernoulli_fit(a, u < a).p_value > 1e-3
+    fit = bernoulli_fit(a, (u < a) | (a >= 0.95))
+    assert fit.p_value < 1e-12
+    bands = {b.label: b for b in fit.bands}
+    assert list(bands) == ["0.75–0.9", "0.9–0.95", "0.95–0.98", "0.98–0.99", "0.99–1"]
+    assert bands["0.95–0.98"].observed == 1.0 and 0.96 < bands["0.95–0.98"].declared < 0.97
+    assert abs(bands["0.9–0.95"].observed - bands["0.9–0.95"].declared) < 0.01
+    # a band's minimum detectable shift: smaller the more events it holds and the nearer a is to 1
+    mde = {label: band_detectable(fit, b, LEVEL, screen=1e-3) for label, b in bands.items()}
+    assert mde["0.99–1"] < mde["0.98–0.99"] < 0.02 and mde["0.95–0.98"] < 0.02
+    assert FitResult.from_dict(fit.to_dict()) == fit
+
+
+def test_the_fast_tier_rejects_a_near_one_over_acceptance_at_its_first_combination(chost):
+    """A verifier that accepts outright where p/q ≥ 0.95 (its declared law exact, so the
+    component checks pass) fails the first row of its fast-tier run — its probes, by the
+    acceptance rate of the band just below 1, at the tier's N and levels — and the report states
+    what each band can detect."""
+    report = run_suite(chost, plugins=["near-one"], fail_fast=True)
+    assert all(k.passed for k in report.component_checks["verifier near-one"])  # the declared law is lossless
+    rows = [c for c in report.combos if c.status not in ("lossy", "not-certifiable")]
+    first = rows[0]
+    assert first.title == "probes of verifier near-one" and first.status == "failed", report.table()
+    assert first.reason.startswith("acceptance") and {c.status for c in rows[1:]} == {"not run"}
+    near = next(r for r in first.results if r.case.pipeline["drafter"] == probes.NEAR_ONE)
+    assert near.failed and near.rerun.tests["acceptance"].p_value < near.level
+    rates = {b.label: b.observed - b.declared for b in near.tests["acceptance"].bands}
+    assert rates["0.95–0.98"] > 0.02 and abs(rates["0.9–0.95"]) < 0.01
+    bands = report.to_dict()["detectable_bands"]["near-one"]
+    assert all(0 < bands[label] < 0.05 for label in ("0.9–0.95", "0.95–0.98", "0.98–0.99", "0.99–1"))
+    assert "acceptance rate per band" in report.table()
+
+
+def test_a_learning_scheduler_s_probe_verifies_what_its_pilot_promised(chost):
+    """async-topk sizes round t from round t − 2 and verifies every draft of its first two rounds;
+    its draft gate shuts once drafting does not pay.  The pilot runs a batch first, so the chosen
+    parameter set still verifies over the whole case (it used to verify 0.3 % of the drafts)."""
+    case = probes.probe_cases(chost, ComponentKind.SCHEDULER, "async-topk", 2_000)[0]
+    result = run_case(case, chost)
+    assert exercised(result) and shares(result)[0] > 0.25, (case.pipeline["scheduler"], shares(result), result.tau)
 
 
 def test_a_case_reproduces_bit_for_bit_at_its_thread_count(chost):

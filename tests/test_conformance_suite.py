@@ -46,7 +46,14 @@ def test_fast_tier_certifies_every_shipped_combination():
     assert "scheduler hw-prefix" in report.component_checks
     # The probes make the sampling path real: some pipelines accept long prefixes.
     assert max(r.tau for c in certified for r in c.results) > 1.5
-    assert {c.status for c in report.combos} == {"certified", "lossy"}
+    # every probe is informative; a drawn combination may verify too little to certify anything
+    # (a step curve that admits nothing at its batch, a draft gate that keeps rounds plain), and
+    # the report then says which of those it was
+    assert all(c.status == "certified" for c in report.combos if c.role)
+    assert {c.status for c in report.combos} <= {"certified", "lossy", "not exercised"}
+    idle = [c for c in report.combos if c.status == "not exercised"]
+    assert all(any(why in c.reason for why in ("ran plain", "admitted few", "was rejected")) for c in idle)
+    assert len(idle) <= len(certified) // 4
 
 
 @pytest.mark.slow
