@@ -444,3 +444,25 @@ def test_llama_speculative_simple_runs_the_drafter_losslessly(exported, smollm2,
         assert f"block_size={gamma if name == 'dspark' else gamma + 1}" in log
         assert int(re.search(r"n_drafted\s*=\s*(\d+)", log).group(1)) > 0
         assert spec == plain  # T = 0: the drafter changes nothing in what llama.cpp writes
+
+
+def test_a_run_saved_without_qk_norm_resumes_only_as_it_was(tmp_path):
+    """A training run from before q/k norm was the default stops with the fix, not a state-dict error."""
+    from train_fixtures import tiny_config, tiny_target
+
+    from specforge.toolkit.checkpoints import DrafterCheckpointError
+    from specforge.training.config import TrainConfig
+
+    golden = Path(__file__).parent / "data" / "training-golden"
+    spec = json.loads((golden / "golden.json").read_text())["runs"]["markov"]["drafter"]
+    target, base = tiny_target(), tiny_config(tmp_path, steps=1).to_dict()
+
+    def method(qk_norm):
+        config = TrainConfig.model_validate({**base, "drafter": {**base["drafter"], **spec, "qk_norm": qk_norm}})
+        cls, options = config.training_method()
+        return cls(options, target, "cpu")
+
+    with pytest.raises(DrafterCheckpointError, match=r"a drafter without q/k norm .* resume with drafter.qk_norm=false"):
+        method(True).load(golden / "drafter-markov")
+    method(False).load(golden / "drafter-markov")
+    method(None).load(golden / "drafter-markov")  # null: as the target's layers (none on a Llama), the old default
