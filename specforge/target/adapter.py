@@ -195,7 +195,10 @@ class TargetModel:
             auto = True
         key = machine_key(kind="precision", target=model, candidates=candidates, auto=auto, kv_dtype=kv_dtype,
                           method=method_key())
-        plan = resolve_precision(model, build, candidates, skipped, key, log=log, auto=auto)
+        if backend == "llama.cpp":  # the torch runtime serves drafters and training, no pass: nothing to time
+            plan = PrecisionPlan.fixed(dtype)
+        else:
+            plan = resolve_precision(model, build, candidates, skipped, key, log=log, auto=auto)
         target = cls(hf_model, tokenizer, name=model, precision=plan,
                      runtimes={p: build(p) for p in plan.precisions}, gguf=gguf, backend=backend,
                      backend_auto=chosen)
