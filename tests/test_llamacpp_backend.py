@@ -162,6 +162,34 @@ def test_a_tree_pass_gives_each_branch_the_logits_of_its_own_prefix(backend):
     assert not cache.branch and len(cache.spare) == 2 * 8
 
 
+def test_a_tiny_hugging_face_llama_written_as_gguf_runs_its_own_law(tmp_path):
+    """The writer the conformance suite's llama.cpp tier uses: same logits as the HF model (the
+    float32 weights pass through; llama.cpp's float16 KV cache is the only rounding)."""
+    from specforge.llamacpp.target_gguf import write_llama_gguf
+    from specforge.target.llamacpp import LlamaCppBackend
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", vocab=32)
+    backend = LlamaCppBackend(write_llama_gguf(model, tmp_path / "tiny.gguf"), n_layers=3, dim=64, vocab=32)
+    cache = backend.new_cache(2, 64)
+    ids = [0, 5, 7, 9, 11, 3, 4]
+    out = _pass(backend, cache, [ids], [cache.allocate()], [0], taps=(0, 1))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), output_hidden_states=True)
+    assert (out.logits - ref.logits[0]).abs().max() < 0.02
+    for layer in (0, 1):
+        assert (out.taps[layer] - ref.hidden_states[layer + 1][0]).abs().max() < 0.05
+
+
+def test_the_gguf_writer_refuses_other_families(tmp_path):
+    from specforge.llamacpp.target_gguf import write_llama_gguf
+    from tiny_models import tiny_model
+
+    with pytest.raises(ValueError, match="Llama-family"):
+        write_llama_gguf(tiny_model("qwen3", vocab=32), tmp_path / "q.gguf")
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_missing_binding_names_the_install_command(monkeypatch):
     load.cache_clear()
     monkeypatch.setitem(sys.modules, "llama_cpp", None)

@@ -96,12 +96,16 @@ def forward_flat(target: Any, ids: Sequence[Tensor], layer_ids: Sequence[int], d
                   max_batch_tokens: int) -> tuple[Tensor, Tensor]:
     """Taps ``[T, m, d]`` and hidden ``[T, d]`` of sequences back to back, each from position 0."""
     device = target.runtime.embed.device
+    # The torch runtime even where the engine decodes on llama.cpp: these passes need every row's
+    # taps and final hidden state, and long teacher-forced prefills are what it does fastest.
+    runner = getattr(target, "torch", None) or target
     taps_out, hidden_out = [], []
     for group in _micro_batches([len(x) for x in ids], max_batch_tokens):
         runs = [ids[i] for i in group]
-        cache = target.new_cache(len(runs), max(len(r) for r in runs))  # fresh: no stale context
+        cache = runner.new_cache(len(runs), max(len(r) for r in runs))  # fresh: no stale context
         batch = VarlenBatch.build(runs, list(range(len(runs))), [0] * len(runs), device=device)
-        out = target.forward(batch, cache, None, tuple(layer_ids))  # logits_rows=None: no LM head
+        with torch.inference_mode():
+            out = runner.forward(batch, cache, None, tuple(layer_ids))  # logits_rows=None: no LM head
         # torch.stack / .to(copy=True) outside inference mode turn the forward's inference tensors
         # into normal ones, which autograd accepts (an inference tensor cannot be saved for backward).
         taps_out.append(torch.stack([out.taps[layer] for layer in layer_ids], dim=1).to(dtype))

@@ -96,7 +96,10 @@ class TargetModel:
         self.eos_ids = self._eos_ids(hf_model, tokenizer)
         # Who computes the passes (:mod:`.backend`).  The torch runtime above stays either way: the
         # drafters share its embedding and LM head, and training reads it.
-        self.backend: TargetBackend = TorchBackend(self.runtimes, self.precision)
+        # ``torch`` stays the runtime of teacher-forced feature extraction (long prefills with taps and
+        # the final hidden state), whatever computes the engine's passes.
+        self.torch = TorchBackend(self.runtimes, self.precision)
+        self.backend: TargetBackend = self.torch
         self.backend_auto = backend_auto  # chosen by target.backend: auto (see serve_taps)
         if backend == "llama.cpp":
             from specforge.target.llamacpp import BackendUnsupported, LlamaCppBackend
@@ -127,9 +130,9 @@ class TargetModel:
         (:meth:`Transformer.compile`), ``"auto"`` where it measured faster on this machine
         (:mod:`.compile_choice`); ``kv_dtype`` is the KV cache's dtype (:mod:`.kv_dtype`).
 
-        ``backend`` computes the passes (:mod:`.backend`): ``torch``, ``llama.cpp`` (a GGUF in
-        libllama; the torch runtime is then built once, in ``dtype`` or float32, for what drafters
-        and training share with the target) or ``auto`` (chosen here, and said why through ``log``)."""
+        ``backend`` computes the engine's passes (:mod:`.backend`): ``torch``, ``llama.cpp`` (a GGUF
+        in libllama; the torch runtime is still built, dense, for what drafters, features and
+        training share with the target) or ``auto`` (chosen here, and said why through ``log``)."""
         dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
         # Everything that can be refused is refused before the (slow) load.
         if dtype != "auto" and dtype not in DTYPES:
@@ -160,9 +163,9 @@ class TargetModel:
             from specforge.llamacpp.binding import load as load_binding
 
             load_binding()  # a missing binding is refused before the slow load
+            # The torch runtime still serves drafters, heads, features and training, in the
+            # precision dtype names or measures (dense: the 4-bit runtime is a pass kernel).
             weights, compile = "dense", False
-            if dtype == "auto":  # no pass runs in torch: nothing to measure
-                dtype = "float32"
         if weights == "native":
             if gguf is None:
                 raise NativeWeightsError(f"{model}: native weights are a GGUF's own 4-bit blocks; "
@@ -195,10 +198,7 @@ class TargetModel:
             auto = True
         key = machine_key(kind="precision", target=model, candidates=candidates, auto=auto, kv_dtype=kv_dtype,
                           method=method_key())
-        if backend == "llama.cpp":  # the torch runtime serves drafters and training, no pass: nothing to time
-            plan = PrecisionPlan.fixed(dtype)
-        else:
-            plan = resolve_precision(model, build, candidates, skipped, key, log=log, auto=auto)
+        plan = resolve_precision(model, build, candidates, skipped, key, log=log, auto=auto)
         target = cls(hf_model, tokenizer, name=model, precision=plan,
                      runtimes={p: build(p) for p in plan.precisions}, gguf=gguf, backend=backend,
                      backend_auto=chosen)
@@ -289,7 +289,7 @@ class TargetModel:
             if not self.backend_auto:
                 raise ConfigError([f"target.backend: {exc}"]) from exc
             (log or _say)(f"target.backend: auto → torch ({exc})")
-            self.backend = TorchBackend(self.runtimes, self.precision)
+            self.backend = self.torch
 
     def new_cache(self, slots: int, capacity: int) -> SlotTable:
         """A cache of ``slots`` requests × ``capacity`` positions for this target's backend."""

@@ -91,7 +91,7 @@ class Trainer:
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         if target is None:
             from specforge.target import TargetModel
-            target = TargetModel.load(c.target.model, c.target.dtype)
+            target = TargetModel.from_config(c.target)
         self.target = target
         self._build_method()
         self.source = source if source is not None else build_source(c, target, list(self.needs.layers),
