@@ -4,7 +4,8 @@ Every system decodes the same chat-templated prompts greedily for exactly ``max_
 tokens (EOS ignored), ``c`` requests at a time.  Speeds are only compared as ratios inside one
 run, because these machines are noisy: ``vs_hf`` divides by HF ``generate`` at concurrency 1 in the
 same dtype, ``vs_engine_ar`` by the same engine's plain decoding (same backend) at the same concurrency,
-``vs_llamacpp`` by llama.cpp's own plain decoding at the same concurrency.  The engine runs on the
+``vs_llamacpp`` by llama.cpp's own plain decoding (the faster of its binding and its server) at the
+same concurrency.  The engine runs on the
 torch backend (system ``specforge``) and on the llama.cpp backend (``specforge-llamacpp``).
 
 Records share the format of :mod:`specforge.bench.hf_baseline` (``system``, ``variant``,
@@ -132,14 +133,17 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
     """``vs_hf`` (÷ HF generate at c=1 in the same dtype; where the engine's precision is measured
     (a dtype HF did not run, such as ``bfloat16@1,float32@2+``), ÷ HF's fastest), ``vs_engine_ar``
     (÷ the same engine's plain decoding: eager, same weights and backend, same c) and
-    ``vs_llamacpp`` (÷ llama.cpp's own plain decoding, same c)."""
+    ``vs_llamacpp`` (÷ llama.cpp's own plain decoding, the faster of binding and server, same c)."""
     hf = {r["dtype"]: r["tok_s"] for r in records
           if r["system"] == "hf-generate" and r["concurrency"] == 1 and r.get("tok_s")}
     ar = {(r["system"].removesuffix("-compiled"), r["concurrency"]): r["tok_s"] for r in records
           if r["system"] in ("specforge", "specforge-native", "specforge-llamacpp") and r["variant"] == "plain"
           and r.get("tok_s")}
-    llama = {r["concurrency"]: r["tok_s"] for r in records
-             if r["system"] == "llamacpp" and r["variant"] == "plain" and r.get("tok_s")}
+    # llama.cpp's fastest plain decoding at each concurrency (the binding's loop or its server)
+    llama: dict[int, float] = {}
+    for r in records:
+        if r["system"] in ("llamacpp", "llamacpp-server") and r["variant"] == "plain" and r.get("tok_s"):
+            llama[r["concurrency"]] = max(llama.get(r["concurrency"], 0.0), r["tok_s"])
     for r in records:
         if not r.get("tok_s"):
             continue
@@ -223,9 +227,11 @@ def run_engine_benchmark(
         records.extend(bench_hf(prompt_ids, dtypes=peer_dtypes, concurrencies=[1],
                                 max_new_tokens=max_new_tokens, progress=progress))
     if "llamacpp" in systems:
-        from specforge.bench.llamacpp_peer import bench_llamacpp
+        from specforge.bench.llamacpp_peer import bench_llamacpp, bench_llamacpp_server
 
         records.extend(bench_llamacpp(_gguf(target), prompt_ids, concurrency, max_new_tokens, progress=progress))
+        records.extend(bench_llamacpp_server(_gguf(target), prompt_ids, concurrency, max_new_tokens,
+                                             progress=progress))
     fast_curves = None
     if "specforge-llamacpp" in systems:
         fast, skipped = _llamacpp_target(target)
@@ -424,7 +430,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     systems = ["hf", "specforge", "specforge-llamacpp", "llamacpp", "vllm"]
     p.add_argument("--systems", nargs="+", choices=systems, default=systems,
                    help="specforge: the engine on the torch backend; specforge-llamacpp: on the llama.cpp "
-                        "backend; llamacpp: llama.cpp's own decoding (and prompt lookup) through its binding")
+                        "backend; llamacpp: llama.cpp's own decoding through its binding (one request: plain, prompt "
+                        "lookup) and its llama-server (every concurrency; n-gram modes at one request)")
     p.add_argument("--per-dataset", nargs="*", default=[], metavar="DATASET",
                    help="also report ngram ÷ plain at concurrency 1 on each of these sets")
     p.add_argument("--eval-dir", default=None, metavar="DIR",

@@ -1,10 +1,14 @@
-"""llama.cpp decoding a GGUF its own way: the peer ``bench engine --systems llamacpp`` measures.
+"""llama.cpp decoding a GGUF its own way: the peers ``bench engine --systems llamacpp`` measures.
 
-Through the binding specforge builds (llama-cpp-python's ``Llama``): one request at a time, plain
-greedy decoding and its prompt-lookup speculation (``LlamaPromptLookupDecoding``: draft the tokens
-that followed the last n-gram's earlier occurrence, verify them in one pass).  Those are what the
-binding can drive; llama.cpp's parallel decoding and its other speculative modes live in its own
-programs (``make llama.cpp``).  Records share :mod:`specforge.bench.hf_baseline`'s format.
+* ``llamacpp`` — through the binding specforge builds (llama-cpp-python's ``Llama``), one request
+  at a time: plain greedy decoding and the binding's prompt-lookup speculation
+  (``LlamaPromptLookupDecoding``: draft what followed the last n-gram's earlier occurrence).
+* ``llamacpp-server`` — ``llama-server`` (``make llama.cpp``) with one slot per concurrent request
+  and continuous batching, driven over HTTP on the loopback: llama.cpp's own parallel decoding,
+  and at one request its n-gram speculative modes (``--spec-type ngram-*``).
+
+Records share :mod:`specforge.bench.hf_baseline`'s format; what cannot run is a ``skipped`` record
+saying why.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +24,23 @@ import torch
 
 from specforge.bench.hf_baseline import rounds_for, summarize
 
-__all__ = ["LLAMACPP_VARIANTS", "bench_llamacpp"]
+__all__ = ["LLAMACPP_VARIANTS", "SERVER_VARIANTS", "bench_llamacpp", "bench_llamacpp_server"]
 
 # variant -> the binding's draft model (None: plain decoding)
 LLAMACPP_VARIANTS = {"plain": None, "lookup": {"max_ngram_size": 3, "num_pred_tokens": 5}}
+# variant -> llama-server's speculative flags (the n-gram modes need no draft model); all but
+# plain run at one request, where speculation is meant to pay
+SERVER_VARIANTS: dict[str, tuple[str, ...]] = {
+    "plain": (),
+    "ngram-simple": ("--spec-type", "ngram-simple"),
+    "ngram-map-k": ("--spec-type", "ngram-map-k"),
+    "ngram-mod": ("--spec-type", "ngram-mod"),
+    "ngram-cache": ("--spec-type", "ngram-cache"),
+}
 
 
-def _skipped(variant: str, concurrency: int, reason: str) -> dict[str, Any]:
-    return {"system": "llamacpp", "variant": variant, "dtype": "llama.cpp", "concurrency": concurrency,
+def _skipped(variant: str, concurrency: int, reason: str, system: str = "llamacpp") -> dict[str, Any]:
+    return {"system": system, "variant": variant, "dtype": "llama.cpp", "concurrency": concurrency,
             "status": "skipped", "reason": reason, "tok_s": None}
 
 
@@ -81,4 +95,51 @@ def bench_llamacpp(gguf: Path, prompt_ids: Sequence[Sequence[int]], concurrencie
             record.update(summarize(times, counts, ptoks))
             records.append(record)
             del llm
+    return records
+
+
+def bench_llamacpp_server(gguf: Path, prompt_ids: Sequence[Sequence[int]], concurrencies: Sequence[int],
+                          max_new_tokens: int = 128, min_rounds: int = 2, progress: bool = True,
+                          threads: int | None = None, log_dir: Path | None = None) -> list[dict[str, Any]]:
+    """llama-server with ``c`` slots, ``c`` requests in flight (each round submitted together, as
+    the engine's rounds are), greedy, exactly ``max_new_tokens`` tokens each."""
+    from tqdm.auto import tqdm
+
+    from specforge.llamacpp.server import LlamaServer, ServerError
+    from specforge.llamacpp.tools import missing_reason
+
+    reason = missing_reason("llama-server")
+    if reason:
+        return [_skipped(v, c, reason, "llamacpp-server") for c in concurrencies for v in SERVER_VARIANTS
+                if v == "plain" or c == 1]
+    context = max(len(p) for p in prompt_ids) + max_new_tokens + 16
+    records = []
+    for c in concurrencies:
+        for variant, flags in SERVER_VARIANTS.items():
+            if variant != "plain" and c != 1:
+                continue
+            log = None if log_dir is None else Path(log_dir) / f"llama-server-{variant}-c{c}.log"
+            try:
+                with LlamaServer(gguf, slots=c, context=context, threads=threads or torch.get_num_threads(),
+                                 extra=("-fa", "auto", "-kvu", *flags), log=log) as server:
+                    def one(i: int, n: int) -> int:
+                        return int(server.complete(prompt_ids[i], n)["tokens_predicted"])
+
+                    with ThreadPoolExecutor(c) as pool:
+                        list(pool.map(lambda i: one(i, 8), range(min(c, len(prompt_ids)))))  # warm-up
+                        times, counts, ptoks = [], [], 0
+                        for indices in tqdm(rounds_for(len(prompt_ids), c, min_rounds),
+                                            desc=f"llama-server {variant} c={c}", unit="round", disable=not progress,
+                                            file=sys.stderr):
+                            t0 = time.perf_counter()
+                            counts.append(list(pool.map(lambda i: one(i, max_new_tokens), indices)))
+                            times.append(time.perf_counter() - t0)
+                            ptoks += sum(len(prompt_ids[i]) for i in indices)
+            except ServerError as exc:
+                records.append(_skipped(variant, c, str(exc), "llamacpp-server"))
+                continue
+            record = {"system": "llamacpp-server", "variant": variant, "dtype": "llama.cpp", "concurrency": c,
+                      "status": "ok", "reason": None}
+            record.update(summarize(times, counts, ptoks))
+            records.append(record)
     return records
