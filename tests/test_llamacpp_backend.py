@@ -181,6 +181,33 @@ def test_a_tiny_hugging_face_llama_written_as_gguf_runs_its_own_law(tmp_path):
         assert (out.taps[layer] - ref.hidden_states[layer + 1][0]).abs().max() < 0.05
 
 
+def test_auto_keeps_the_backend_measured_faster_and_says_so(tmp_path):
+    from specforge.target import TargetModel
+    from specforge.target.backend_choice import BackendChoice, measure_backends
+    from specforge.llamacpp.target_gguf import write_llama_gguf
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", vocab=32)
+    target = TargetModel(model, None, torch.float32, name="tiny", gguf=write_llama_gguf(model, tmp_path / "t.gguf"),
+                         backend="llama.cpp")
+    choice = measure_backends({"torch": target.torch, "llama.cpp": target.backend}, vocab=32, reps=4)
+    speed = choice.speedup()
+    assert choice.backend == ("llama.cpp" if speed >= 1 else "torch")
+    assert set(choice.seconds) == {"torch", "llama.cpp"} and all(s > 0 for by in choice.seconds.values()
+                                                                  for s in by.values())
+    assert BackendChoice.from_dict(choice.to_dict()).to_dict() == choice.to_dict()
+    assert "decode-1" in choice.describe() and choice.backend in choice.describe()
+    with pytest.raises(ValueError, match="not a backend record"):
+        BackendChoice.from_dict({"backend": "torch"})
+
+
+def test_auto_on_a_safetensors_directory_is_torch_with_the_reason(tmp_path):
+    from specforge.target.backend import auto_backend
+
+    backend, why = auto_backend(None)
+    assert backend == "torch" and "GGUF" in why
+
+
 def test_the_gguf_writer_refuses_other_families(tmp_path):
     from specforge.llamacpp.target_gguf import write_llama_gguf
     from tiny_models import tiny_model

@@ -150,8 +150,9 @@ class TargetModel:
         chosen = backend == "auto"
         if chosen:
             backend, why = auto_backend(gguf)
-            (log or _say)(f"target.backend: auto → {backend} ({why})")
-        if backend == "llama.cpp":
+            if backend == "torch":
+                (log or _say)(f"target.backend: auto → torch ({why})")
+        if backend == "llama.cpp" and not chosen:
             from specforge.target.llamacpp import BackendUnsupported
 
             if gguf is None:
@@ -211,6 +212,15 @@ class TargetModel:
             target.compile_choice = compile_choice.resolve_compile(target, compile_key, log=log)
         elif compile:
             target.compile()
+        if chosen and backend == "llama.cpp":  # both can decode it: keep the faster here
+            from specforge.llamacpp.binding import load as load_binding
+            from specforge.target import backend_choice
+
+            backend_key = machine_key(kind="backend", target=model, precision=plan.label, kv_dtype=kv_dtype,
+                                      compiled=target.runtime.compiled is not None, binding=load_binding().version,
+                                      method=backend_choice.method_key())
+            if backend_choice.resolve_backend(target, backend_key, log=log).backend == "torch":
+                target.backend = target.torch
         return target
 
     def compile(self, enabled: bool = True) -> bool:
