@@ -226,7 +226,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from specforge.toolkit.step_curve import measure_sps
     from specforge.target import TargetModel
 
-    target = TargetModel.load(args.model, args.dtype, compile=args.compile, weights=args.weights)
+    target = TargetModel.load(args.model, args.dtype, compile=args.compile, weights=args.weights,
+                              backend=args.backend)
     profile, records = measure_sps(target, args.batches, context=args.context, requests=args.requests,
                                    reps=args.reps)
     out = Path(args.out)
@@ -235,6 +236,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     (out / "timings.json").write_text(json.dumps({"model": args.model, "dtype": args.dtype,
                                                   "precision": target.precision.to_dict(),
                                                   "weights": args.weights, "compiled": args.compile,
+                                                  "backend": target.backend.name,
                                                   "context": args.context, "device": profile.device,
                                                   "records": records}, indent=2) + "\n")
     plot_profile(records, out / "profile.png", f"{args.model} ({target.precision_label}), {profile.device}")
@@ -395,6 +397,8 @@ def _profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure the compiled forward (target.compile), whose curve has another shape")
     p.add_argument("--weights", choices=["auto", "dense", "native"], default="auto",
                    help="measure with a GGUF's 4-bit blocks run natively (target.weights=native)")
+    p.add_argument("--backend", choices=["auto", "torch", "llama.cpp"], default="auto",
+                   help="what runs the passes (target.backend; docs/backends.md)")
     p.add_argument("--out", default="runs/profile", help="output directory")
     p.add_argument("--json", action="store_true", help="print the timings as JSON instead of the table")
 
