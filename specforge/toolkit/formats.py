@@ -23,7 +23,7 @@ from torch import Tensor
 from specforge.errors import SpecforgeError
 
 __all__ = ["CheckpointFormat", "InteropError", "check_shapes", "drop_frozen", "load_tensors", "mismatch",
-           "read_config", "recorded_target", "require_safetensors", "rope_theta", "target_tensor"]
+           "read_config", "recorded_gguf", "recorded_target", "require_safetensors", "rope_theta", "target_tensor"]
 
 _PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
@@ -168,6 +168,21 @@ def recorded_target(name: Any, shape: Any, fields: dict[str, str], source: Path)
     if wrong:
         raise InteropError(f"{source}: its recorded target {name!r} is another model — {wrong}")
     return config, directory, args
+
+
+def recorded_gguf(name: Any, source: Path) -> Path | None:
+    """The GGUF file of the recorded target ``name`` (an embedded model or a ``.gguf`` path), or None
+    when the target is a Hugging Face folder: layouts whose engine runs the target from a GGUF
+    (llama.cpp) copy its tokenizer from there."""
+    from specforge.target.loading import resolve_model
+
+    if not name:
+        raise InteropError(f"{source}: the checkpoint does not record its target, whose GGUF the layout reads")
+    try:
+        directory, filename = resolve_model(str(name))
+    except (SpecforgeError, OSError) as exc:
+        raise InteropError(f"{source}: its target {name!r} cannot be found ({exc})") from None
+    return None if filename is None else directory / filename
 
 
 def target_tensor(directory: Path, *keys: str) -> Tensor:

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from specforge.toolkit.checkpoints import TARGET_SHAPE
-from specforge.toolkit.formats import InteropError, recorded_target, rope_theta, target_tensor
+from specforge.toolkit.formats import InteropError, recorded_gguf, recorded_target, rope_theta, target_tensor
 from specforge.toolkit.heads import HEADS
 from specforge_plugins.drafters.block.checkpoint import load_drafter
 
@@ -220,14 +220,9 @@ class LlamaCppFormat:
 
     def _target_gguf(self, config: dict[str, Any], source: Path) -> Path:
         """The recorded target's GGUF file (llama.cpp runs the target from it)."""
-        from specforge.target.loading import TargetLoadError, resolve_model
-
         name = config["specforge"]["target"]
-        try:
-            directory, filename = resolve_model(str(name))
-        except TargetLoadError as exc:
-            raise InteropError(f"{source}: its target {name!r} cannot be found ({exc})") from None
-        if filename is None:
+        path = recorded_gguf(name, source)
+        if path is None:
             raise InteropError(f"{source}: its target {name!r} is a Hugging Face folder and llama.cpp runs the target, "
                                "and takes the draft's tokenizer, from a GGUF — convert the target with llama.cpp's "
                                "convert_hf_to_gguf.py and train the drafter against that file")
@@ -236,7 +231,7 @@ class LlamaCppFormat:
         if scaling or rope_type != "default":
             raise InteropError(f"{source}: its target scales RoPE ({rope_type}); llama.cpp's DFlash graph rotates the "
                                "draft with the plain RoPE of its base, so it cannot be written exactly")
-        return directory / filename
+        return path
 
     def _check_target(self, fields: dict[str, tuple[int, int | None, Any]], c: Any, path: Path,
                       source: Path) -> None:
