@@ -141,7 +141,8 @@ def expected_tensors(source: Path, smollm2) -> dict[str, torch.Tensor]:
         out["markov_w1.weight"] = torch.cat([w1, w1.new_zeros(rows - len(w1), R)])
         out["markov_w2.weight"] = stored["head.w2"].t()
     if conf is not None:
-        out["conf_proj.weight"], out["conf_proj.bias"] = stored["confidence.proj.weight"], stored["confidence.proj.bias"]
+        out["conf_proj.weight"] = stored["confidence.proj.weight"]
+        out["conf_proj.bias"] = stored["confidence.proj.bias"]
     assert meta["method"] in ("dspark", "dflash")
     return out
 
@@ -299,7 +300,8 @@ def test_llama_cpp_drafts_what_specforge_drafts_from_the_same_features(exported,
         rows = np.ascontiguousarray(features, dtype=np.float32)
         for i in range(n - 1):  # the context: the target's features at their positions
             e = api.llama_embd(rows[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, rows.shape[1])
-            api.llama_batch_ext_set_pos(batch, api.llama_batch_ext_add_embd(batch, 0, e), (api.llama_pos * 4)(i, i, i, 0))
+            idx = api.llama_batch_ext_add_embd(batch, 0, e)
+            api.llama_batch_ext_set_pos(batch, idx, (api.llama_pos * 4)(i, i, i, 0))
         assert api.llama_process(dctx, api.LLAMA_PROCESS_TYPE_DECODE, batch) == 0
         api.llama_batch_ext_clear(batch)
         mask = api.llama_vocab_mask(api.llama_model_get_vocab(draft))
@@ -410,8 +412,9 @@ def test_block_drafters_have_qk_norm_by_default_and_record_it(smollm2):
 
 # -- llama.cpp itself: llama-speculative-simple with our drafter (make llama.cpp) -----------------
 
-PROMPTS = ("<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n",
-           "<|im_start|>user\nWrite a Python function that returns the sum of a list.<|im_end|>\n<|im_start|>assistant\n")
+PROMPTS = tuple(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+                for q in ("What is the capital of France? Answer in one sentence.",
+                          "Write a Python function that returns the sum of a list."))
 
 
 def speculative_simple(exe: Path, target: Path, draft: Path, spec_type: str, n_max: int, prompt: str,
@@ -462,7 +465,7 @@ def test_a_run_saved_without_qk_norm_resumes_only_as_it_was(tmp_path):
         cls, options = config.training_method()
         return cls(options, target, "cpu")
 
-    with pytest.raises(DrafterCheckpointError, match=r"a drafter without q/k norm .* resume with drafter.qk_norm=false"):
+    with pytest.raises(DrafterCheckpointError, match=r"without q/k norm .* resume with drafter.qk_norm=false"):
         method(True).load(golden / "drafter-markov")
     method(False).load(golden / "drafter-markov")
     method(None).load(golden / "drafter-markov")  # null: as the target's layers (none on a Llama), the old default

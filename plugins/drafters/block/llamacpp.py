@@ -106,7 +106,8 @@ class LlamaCppFormat:
 
     def __init__(self, vllm: BlockFormat) -> None:
         self.vllm, self.method = vllm, vllm.method
-        self.title = f"llama.cpp's {'DSpark' if self.method == 'dspark' else 'DFlash'} draft (GGUF, architecture {ARCH})"
+        kind = "DSpark" if self.method == "dspark" else "DFlash"
+        self.title = f"llama.cpp's {kind} draft (GGUF, architecture {ARCH})"
         self.description = (f"{self.title}: one .gguf file for llama-speculative-simple / llama-server "
                             f"--spec-type draft-{self.method}")
 
@@ -208,7 +209,8 @@ class LlamaCppFormat:
              f"{self.title} reads a Markov head as DSpark's (anchor-first) and this DFlash drafter has a {kind} one "
              "— train with drafter.head.name=none"),
             (self.method == "dflash" and conf is not None,
-             f"{self.title} has no confidence head and this drafter has one — train with drafter.confidence.name=none"),
+             f"{self.title} has no confidence head and this drafter has one — train with "
+             "drafter.confidence.name=none"),
             (c.n_target_layers - 1 in c.tap_layers,
              f"it taps the target's last layer ({c.n_target_layers - 1}) and llama.cpp reads the input of the layer "
              f"after each tapped one, which does not exist for it — train with drafter.target_layers below "
