@@ -119,12 +119,22 @@ def reference_target(spec: ReferenceSpec):
     return TargetModel(reference_hf_model(spec), None, torch.float32, name=f"reference-{spec.family}")
 
 
-@functools.lru_cache(maxsize=16)
 def sampling_target(spec: ReferenceSpec):
     """The same target for the statistical runs: attention of a pass in one padded SDPA (the path
     bf16 serving takes) instead of one per request, ~30 % faster on these tiny shapes.  Its
     logits depend on batch-mates at the ulp level, which the statistics cannot see; the
-    deterministic checks, which compare token for token, keep :func:`reference_target`."""
+    deterministic checks, which compare token for token, keep :func:`reference_target`.  Inside
+    :func:`~specforge_conformance.backends.target_backend` ``("llama.cpp")`` a Llama-family target
+    decodes on llama.cpp instead."""
+    from specforge_conformance.backends import current_backend, llamacpp_target
+
+    if current_backend() == "llama.cpp" and spec.family == "llama":
+        return llamacpp_target(spec)
+    return _torch_sampling_target(spec)
+
+
+@functools.lru_cache(maxsize=16)
+def _torch_sampling_target(spec: ReferenceSpec):
     from specforge.target import TargetModel
 
     target = TargetModel(reference_hf_model(spec), None, torch.float32, name=f"reference-{spec.family}")

@@ -317,3 +317,31 @@ def test_greedy_parity_on_twelve_prompts_of_mixed_length(target):
     theirs = llama_cpp_greedy(target, prompts, 128)
     assert engine_outputs(target, prompts, 128) == theirs
     assert engine_outputs(target, prompts, 128, "ngram") == theirs
+
+
+# -- the conformance suite with its target on llama.cpp ------------------------------------------
+
+@pytest.mark.slow  # two cases of N = 20,000 (and the clean one's screen) through libllama: minutes
+def test_conformance_certifies_a_combination_on_llama_cpp_and_still_rejects_a_control():
+    """A Llama-family reference target written as a GGUF and decoded by libllama: the rejection
+    verifier behind a random drafter keeps the exact law (every statistic of the suite, its two-
+    stage rule), and the control that resamples the target after a rejection is caught."""
+    from dataclasses import replace
+
+    from specforge_conformance.backends import target_backend
+    from specforge_conformance.exact import sampling_target
+    from specforge_conformance.harness import check_case, run_case
+    from specforge_conformance.power import control_case, control_host
+    from specforge_conformance.suite import ALPHA
+
+    host = control_host()
+    control = control_case("resample-target", n=20_000, host=host)
+    clean = replace(control, pipeline={**control.pipeline, "verifier": ("rejection", {})})
+    assert clean.family == "llama"
+    with target_backend("llama.cpp"):
+        assert sampling_target(clean.reference).backend.name == "llama.cpp"
+        certified = check_case(clean, host, ALPHA)
+        caught = run_case(control, host)
+    assert not certified.failed and certified.verified > 0, certified.rejected()
+    assert caught.rejected(), {k: f.p_value for k, f in caught.tests.items()}
+    assert sampling_target(clean.reference).backend.name == "torch"  # outside the block: torch again
