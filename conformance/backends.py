@@ -10,7 +10,6 @@ rollback, its sequences, its float16 KV cache.  Other families have no such writ
 from __future__ import annotations
 
 import contextvars
-import functools
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["current_backend", "llamacpp_target", "target_backend"]
+__all__ = ["current_backend", "gguf_target", "target_backend"]
 
 _BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar("specforge_conformance_backend", default="torch")
 
@@ -39,15 +38,11 @@ def current_backend() -> str:
     return _BACKEND.get()
 
 
-@functools.lru_cache(maxsize=8)
-def llamacpp_target(spec):
-    """``spec``'s reference model on the llama.cpp backend (its GGUF written once per process)."""
+def gguf_target(model, name: str):
+    """``model`` (a Llama-family reference model) written as a GGUF and loaded on the llama.cpp backend."""
     from specforge.llamacpp.target_gguf import write_llama_gguf
     from specforge.target import TargetModel
-    from specforge_conformance.exact import reference_hf_model
 
-    model = reference_hf_model(spec)
     folder = Path(tempfile.mkdtemp(prefix="specforge-conformance-gguf-"))
-    gguf = write_llama_gguf(model, folder / f"reference-{spec.family}-{spec.vocab}-{spec.seed}.gguf")
-    return TargetModel(model, None, torch.float32, name=f"reference-{spec.family}-llama.cpp", gguf=gguf,
-                       backend="llama.cpp")
+    return TargetModel(model, None, torch.float32, name=f"{name}-llama.cpp",
+                       gguf=write_llama_gguf(model, folder / f"{name}.gguf"), backend="llama.cpp")

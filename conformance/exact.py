@@ -126,11 +126,18 @@ def sampling_target(spec: ReferenceSpec):
     deterministic checks, which compare token for token, keep :func:`reference_target`.  Inside
     :func:`~specforge_conformance.backends.target_backend` ``("llama.cpp")`` a Llama-family target
     decodes on llama.cpp instead."""
-    from specforge_conformance.backends import current_backend, llamacpp_target
+    from specforge_conformance.backends import current_backend
 
     if current_backend() == "llama.cpp" and spec.family == "llama":
-        return llamacpp_target(spec)
+        return _llamacpp_sampling_target(spec)
     return _torch_sampling_target(spec)
+
+
+@functools.lru_cache(maxsize=8)
+def _llamacpp_sampling_target(spec: ReferenceSpec):
+    from specforge_conformance.backends import gguf_target
+
+    return gguf_target(reference_hf_model(spec), f"reference-{spec.family}-{spec.vocab}-{spec.seed}")
 
 
 @functools.lru_cache(maxsize=16)
