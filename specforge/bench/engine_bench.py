@@ -132,7 +132,8 @@ def _system(target: TargetModel) -> str:
 def add_ratios(records: list[dict[str, Any]]) -> None:
     """``vs_hf`` (÷ HF generate at c=1 in the same dtype; where the engine's precision is measured
     (a dtype HF did not run, such as ``bfloat16@1,float32@2+``), ÷ HF's fastest), ``vs_engine_ar``
-    (÷ the same engine's plain decoding: eager, same weights and backend, same c) and
+    (an engine's: ÷ its own plain decoding, eager, same weights and backend, same c; a peer's: ÷ the
+    engine's fastest plain decoding at that c) and
     ``vs_llamacpp`` (÷ llama.cpp's own plain decoding, the faster of binding and server, same c)."""
     hf = {r["dtype"]: r["tok_s"] for r in records
           if r["system"] == "hf-generate" and r["concurrency"] == 1 and r.get("tok_s")}
@@ -149,7 +150,11 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
             continue
         base = hf.get(r.get("dtype"), max(hf.values(), default=None))
         r["vs_hf"] = round(r["tok_s"] / base, 3) if base else None
-        base = ar.get((r["system"].removesuffix("-compiled"), r["concurrency"]))
+        own = r["system"].removesuffix("-compiled")
+        if own.startswith("specforge"):
+            base = ar.get((own, r["concurrency"]))
+        else:  # a peer: ÷ the engine's fastest plain decoding at its concurrency
+            base = max((v for (_, c), v in ar.items() if c == r["concurrency"]), default=None)
         r["vs_engine_ar"] = round(r["tok_s"] / base, 3) if base else None
         base = llama.get(r["concurrency"])
         r["vs_llamacpp"] = round(r["tok_s"] / base, 3) if base else None
