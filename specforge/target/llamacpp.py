@@ -35,7 +35,7 @@ from torch import Tensor
 from specforge.errors import SpecforgeError
 from specforge.llamacpp.binding import Binding, load
 from specforge.target.batch import VarlenBatch
-from specforge.target.cache import SlotTable
+from specforge.target.cache import CacheFullError, SlotTable
 from specforge.target.model import ForwardOutput
 
 __all__ = ["BackendUnsupported", "LlamaCppBackend", "LlamaCppCache"]
@@ -44,6 +44,11 @@ __all__ = ["BackendUnsupported", "LlamaCppBackend", "LlamaCppCache"]
 # back in the batch's own order.  A bigger pass is cut into several decodes, in order.
 PASS_TOKENS = 512
 LLAMA_MAX_SEQ = 256  # llama.cpp's bound on sequence ids (src/llama-cparams.h)
+# KV cells of one context at most.  The engine sizes a cache for every slot at its full context
+# (64 slots × 4,096 positions would be 6 GB of float16 K/V for SmolLM2, allocated up front); the
+# unified cache needs cells only for the tokens actually in flight, and a pass that finds none
+# free is a CacheFullError naming this bound.
+MAX_CELLS = 1 << 17
 BRANCHES_PER_SLOT = 8  # sequence ids a slot's token trees may use at once beyond its own
 
 
@@ -100,7 +105,8 @@ class LlamaCppCache(SlotTable):
         super().__init__(slots, capacity)
         api = backend.binding.api
         params = api.llama_context_default_params()
-        params.n_ctx = slots * capacity
+        self.cells = min(slots * capacity, MAX_CELLS)
+        params.n_ctx = self.cells
         params.n_batch = params.n_ubatch = PASS_TOKENS
         params.n_seq_max = min(LLAMA_MAX_SEQ, slots * (1 + BRANCHES_PER_SLOT))
         params.n_threads = params.n_threads_batch = backend.threads
@@ -276,6 +282,10 @@ class LlamaCppBackend:
             hi = min(n, lo + PASS_TOKENS)
             n_out = cache.batch.fill(tokens[lo:hi], positions[lo:hi], token_slots[lo:hi], outputs[lo:hi], sequences)
             status = api.llama_decode(cache.ctx, cache.batch.struct)
+            if status == 1:
+                raise CacheFullError(f"llama.cpp's KV cache is full ({cache.cells} cells for every request's "
+                                     f"tokens; at most {MAX_CELLS}): fewer requests at once (engine.max_batch) or "
+                                     "shorter contexts")
             if status != 0:
                 raise RuntimeError(f"llama_decode failed with status {status} on a pass of {hi - lo} tokens")
             if n_out:
