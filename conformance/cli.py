@@ -54,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--controls", nargs="*", default=None, metavar="NAME",
                    help="prove the suite's power: run the negative controls (all, or those named)")
     p.add_argument("--no-deterministic", action="store_true", help="skip the deterministic checks")
+    p.add_argument("--engine", action="append", default=None, metavar="NAME",
+                   help="black-box tier: check an engine we do not own through its public interface (repeatable; "
+                        "`--engine list` lists them and what installs each); --n sets the T = 1 arm's requests")
+    p.add_argument("--drafter", default=None, metavar="DRAFTER.gguf",
+                   help="with --engine llama.cpp-dspark: the drafter GGUF (`specforge export --to llama.cpp`)")
+    p.add_argument("--draft", default=None, metavar="DRAFT.gguf",
+                   help="with --engine llama.cpp-draft: the draft model (default: the target GGUF itself)")
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the JSON report here")
     p.add_argument("--json", action="store_true", help="print the JSON report")
     actions = p.add_subparsers(dest="action", metavar="ACTION", title="actions",
@@ -106,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_case(args)
     if args.controls is not None:
         return _run_controls(args)
+    if args.engine:
+        return _run_engines(args)
     from specforge_conformance.suite import run_suite
 
     args.seeds = args.seeds or 1
@@ -117,6 +126,31 @@ def run(args: argparse.Namespace) -> int:
                        max_seconds=args.max_seconds, shard=args.shard)
     text = report.table() + ("\n\n" + report.explain() if not report.passed else "")
     text += f"\n\n{'PASSED' if report.passed else 'FAILED'} ({report.tier} tier, {report.seconds:.0f} s)"
+    _emit(args, report.to_dict(), text)
+    return 0 if report.passed else 1
+
+
+def _run_engines(args: argparse.Namespace) -> int:
+    """The black-box tier (docs/engines.md): each engine started, drawn from, tested and stopped."""
+    from pathlib import Path
+
+    from specforge_conformance.engines import ENGINES, engine_list, run_engines
+
+    if "list" in args.engine:
+        print(engine_list())
+        return 0
+    unknown = [e for e in args.engine if e not in ENGINES]
+    if unknown:
+        print(f"unknown engine {', '.join(unknown)}; choose from {', '.join(ENGINES)} (or `list`)", file=sys.stderr)
+        return 2
+    for flag, path in (("--drafter", args.drafter), ("--draft", args.draft)):
+        if path and not Path(path).is_file():
+            print(f"{flag} {path}: no such file (a .gguf)", file=sys.stderr)
+            return 2
+    report = run_engines(args.engine, n=args.n, seed=args.seed, drafter=args.drafter and Path(args.drafter),
+                         draft=args.draft and Path(args.draft),
+                         log_dir=Path(args.out).parent if args.out else None, progress=_progress)
+    text = report.table() + f"\n\n{'PASSED' if report.passed else 'FAILED'} (engines)"
     _emit(args, report.to_dict(), text)
     return 0 if report.passed else 1
 
