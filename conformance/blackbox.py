@@ -315,10 +315,13 @@ def check_arm(engine: SamplingEngine, reference: Reference | None, prompts: Sequ
                 raise EngineFault(f"{engine.name} returns no logits and no baseline (speculation off) was given: "
                                   "nothing to test its draws against")
             plain, _ = _draw(baseline, prompts, arm, seed + 7_777_777, horizon, progress)
-            tests["two-sample"] = two_sample_fit(
-                sequence_counts((i, *r) for i, rows in draws.items() for r in rows),
-                sequence_counts((i, *r) for i, rows in plain.items() for r in rows))
-            result.covered["two-sample"] = 1.0
+            # the first token alone (where a sequence's many cells would dilute a deviation), then
+            # the whole sequences; keys carry the prompt
+            for name, width in (("two-sample first token", 1), ("two-sample sequence", horizon)):
+                tests[name] = two_sample_fit(
+                    sequence_counts((i, *r[:width]) for i, rows in draws.items() for r in rows),
+                    sequence_counts((i, *r[:width]) for i, rows in plain.items() for r in rows))
+                result.covered[name] = 1.0
     except EngineFault as exc:
         result.status, result.fault = "engine fault", str(exc)
         result.seconds = time.perf_counter() - start
