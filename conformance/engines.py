@@ -498,7 +498,8 @@ def engine_list() -> str:
     lines = []
     for e in ENGINES.values():
         missing = _missing(e)
-        lines.append(f"{e.name:<24} {'ready' if not missing else 'absent'}  {e.description}"
+        state = "ready" if not missing else ("needs --drafter" if missing.startswith("needs") else "absent")
+        lines.append(f"{e.name:<24} {state:<15}  {e.description}"
                      + (f"\n{'':<24} {missing}" if missing else ""))
     return "\n".join(lines)
 
