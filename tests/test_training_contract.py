@@ -267,3 +267,40 @@ def test_init_from_target_errors_name_the_key(target, tmp_path):
     method_cls, options = _config(tmp_path, {"layers": 1, "init_from_target": [99]}, 1).training_method()
     with pytest.raises(SpecforgeError, match=r"drafter\.init_from_target\.0: target layer 99 is outside"):
         method_cls(options, target, "cpu")
+
+
+def test_a_run_starts_from_a_saved_drafter_adding_the_q_k_norms_it_lacks(target, tmp_path):
+    """``drafter.init_from``: a drafter saved without q/k norm starts a q/k-norm run — every tensor
+    it has copied, the norms at ones, its draft vocabulary kept — and a drafter of another shape is
+    refused naming what differs, before any step."""
+    from specforge.toolkit.checkpoints import DrafterCheckpointError
+
+    source = tiny_source(target)
+    heads = {"head": {"name": "markov", "rank": 8}, "confidence": {"name": "dspark-head", "rank": 8, "embedding": "head"}}
+    old = Trainer(_config(tmp_path / "old", {"draft_vocab": 24, "qk_norm": False, **heads}, steps=2),
+                  target=target, source=source, log=lambda _: None)
+    try:
+        old.train()
+    finally:
+        old.close()
+    saved = tmp_path / "old" / "drafter"
+    new = Trainer(_config(tmp_path / "new", {"draft_vocab": 24, "qk_norm": True, "init_from": str(saved), **heads}, 1),
+                  target=target, source=source, log=lambda _: None)
+    try:
+        theirs, mine = old.module.state_dict(), new.module.state_dict()
+        assert torch.equal(new.method.vocab.ids, old.method.vocab.ids)
+        norms = [k for k in mine if k.endswith(("q_norm.weight", "k_norm.weight"))]
+        assert norms and all(bool((mine[k] == 1).all()) for k in norms)
+        assert set(mine) - set(norms) == set(theirs)
+        for key, value in theirs.items():
+            assert torch.equal(mine[key], value), key
+        assert new.module.backbone.config.qk_norm
+    finally:
+        new.close()
+    with pytest.raises(DrafterCheckpointError, match=r"drafter\.init_from: .*does not fit.*head\.w1"):
+        Trainer(_config(tmp_path / "bad", {"draft_vocab": 24, "init_from": str(saved), **heads,
+                                           "head": {"name": "markov", "rank": 4}}, 1),
+                target=target, source=source, log=lambda _: None)
+    with pytest.raises(DrafterCheckpointError, match=r"draft vocabulary of 24 tokens.*draft_vocab is 16"):
+        Trainer(_config(tmp_path / "vocab", {"draft_vocab": 16, "init_from": str(saved), **heads}, 1),
+                target=target, source=source, log=lambda _: None)

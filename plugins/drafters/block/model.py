@@ -81,15 +81,7 @@ class DraftLayer(DraftLayerBase):
         self.attn_norm.weight.copy_(target_layer.attn_norm.detach().float())
         self.wq.weight.copy_(wqkv[:q_size].float())
         self.wkv.weight.copy_(wqkv[q_size:].float())
-        if self.c.qk_norm and not hasattr(target_layer, "q_norm"):  # a Llama target: no q/k norm to copy,
-            norms = self.q_norm, self.k_norm  # so the draft's start where a fresh one does (weights of one)
-            del self.q_norm, self.k_norm
-            try:
-                self.copy_output_from(target_layer)
-            finally:
-                self.q_norm, self.k_norm = norms
-        else:
-            self.copy_output_from(target_layer)
+        self.copy_output_from(target_layer)
 
     def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         c = self.c

@@ -34,7 +34,7 @@ from specforge.toolkit.confidence_head import CONFIDENCE_HEADS
 from specforge.toolkit.heads import HEADS
 from specforge.toolkit.layers import SharedWeights
 from specforge.toolkit.losses import dspark_loss
-from specforge.toolkit.training import BatchModule, DataNeeds, LossOutput, MetricNames, TrainBatch
+from specforge.toolkit.training import BatchModule, DataNeeds, DataSummary, LossOutput, MetricNames, TrainBatch
 from specforge.toolkit.vocab_training import VocabTraining, same_vocab
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.block.checkpoint import load_drafter, save_drafter
@@ -111,6 +111,11 @@ class BlockTrainConfig(BaseModel):
     init_from_target: list[int] | None = Field(
         None, description="target layer ids (0-based, one per draft layer) whose weights start the draft layers "
                           "(attention, MLP and norms; the fusion layer stays random); None: a random start")
+    init_from: str | None = Field(
+        None, description="a saved drafter (directory or shipped:NAME) whose weights start this run: every tensor "
+                          "of its backbone and heads, same names and shapes; per-head q/k norms it lacks start at "
+                          "ones (a drafter saved without q/k norm, retrained in the exportable layout); its draft "
+                          "vocabulary is kept, whatever the data's counts; None: a fresh start")
     loss: LossWeights = Field(default_factory=LossWeights)
     draft_vocab: int | None = Field(
         None, ge=1, description="N: draft only the N most frequent tokens of the training answers (the LM head, "
@@ -184,6 +189,35 @@ def _start_from_target(backbone: BlockBackbone, runtime: nn.Module, layer_ids: l
         layer.copy_from(runtime.layers[lid])
 
 
+def _vocab_words(vocab: DraftVocab | None) -> str:
+    return "the whole vocabulary" if vocab is None else f"a draft vocabulary of {vocab.size} tokens"
+
+
+# Tensors a drafter saved before q/k norm was the default lacks: they start at ones, where a fresh
+# drafter's do, so the rest of the network starts where it left off.
+_MAY_LACK = ("q_norm.weight", "k_norm.weight")
+
+
+def _warm_start(module: DrafterModule, start: DrafterModule, source: str) -> None:
+    """Copy ``start``'s weights into ``module`` (``drafter.init_from``): same names and shapes,
+    except the per-head q/k norms ``start`` may lack."""
+    mine, theirs = module.state_dict(), start.state_dict()
+    missing = [k for k in mine if k not in theirs and not k.endswith(_MAY_LACK)]
+    extra = [k for k in theirs if k not in mine]
+    shapes = [f"{k} {tuple(theirs[k].shape)} vs {tuple(v.shape)}" for k, v in mine.items()
+              if k in theirs and theirs[k].shape != v.shape]
+    if missing or extra or shapes:
+        what = "; ".join(part for part in (
+            f"this run's config has {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''} it lacks" if missing else "",
+            f"it has {', '.join(extra[:3])}{' …' if len(extra) > 3 else ''} this config lacks" if extra else "",
+            f"other shapes: {', '.join(shapes[:3])}" if shapes else "") if part)
+        raise DrafterCheckpointError(f"drafter.init_from: {source} does not fit this run's drafter ({what}); "
+                                     "use the same layers, γ, target layers, heads and ranks")
+    with torch.no_grad():
+        for key, value in theirs.items():
+            mine[key].copy_(value)
+
+
 class BlockTraining(VocabTraining):
     """One training run of a DSpark-layout block drafter (see the module docstring)."""
 
@@ -215,6 +249,29 @@ class BlockTraining(VocabTraining):
         if confidence is not None and confidence.config.embedding == "head":
             confidence.tie(head)
         return DrafterModule(backbone, head, confidence).to(device)
+
+    def prepare(self, summary: DataSummary) -> None:
+        """With ``init_from``: the starting drafter's draft vocabulary (its rows mean those tokens),
+        then its weights; otherwise the data's (:class:`VocabTraining`)."""
+        if self.settings.init_from is None:
+            super().prepare(summary)
+            return
+        source = self.settings.init_from
+        backbone, head, confidence, _ = load_drafter(source)
+        if self._module is None:
+            if backbone.vocab is None or backbone.vocab.size != self.settings.draft_vocab:
+                raise DrafterCheckpointError(
+                    f"drafter.init_from: {source} drafts from {_vocab_words(backbone.vocab)}; this run's "
+                    f"drafter.draft_vocab is {self.settings.draft_vocab} (set it to the same)")
+            self.vocab = backbone.vocab
+            if summary.token_counts is not None:  # how much of this run's answers the kept vocabulary covers
+                counts = summary.token_counts.float()
+                self.coverage = float(counts[self.vocab.ids].sum() / counts.sum().clamp_min(1))
+            self._module = self._build(self.vocab)
+        elif backbone.vocab is not None:
+            raise DrafterCheckpointError(f"drafter.init_from: {source} drafts from {_vocab_words(backbone.vocab)}; "
+                                         f"set drafter.draft_vocab={backbone.vocab.size}")
+        _warm_start(self._module, DrafterModule(backbone, head, confidence), source)
 
     def needs(self) -> DataNeeds:
         c = self._block_config(self.vocab)
