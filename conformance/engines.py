@@ -197,7 +197,7 @@ class LlamaCppReference:
         binding = load()  # a BindingError names what to run
         import llama_cpp
 
-        api = binding.api
+        api = self.api = binding.api
         # flash attention on: what llama-server's default (auto) resolves to on a CPU, and what
         # it is started with here (-fa on)
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_batch=512, n_ubatch=512, flash_attn=True,
@@ -246,7 +246,12 @@ class LlamaCppReference:
                 for t in prefix[keep:]:
                     self.llm.eval([int(t)])
                     self.passes += 1
-            row = torch.from_numpy(self.llm.scores[self.llm.n_tokens - 1].copy())
+            # the pass's last row, read from the context (the high-level class keeps no scores
+            # without logits_all)
+            import numpy as np
+
+            ptr = self.api.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+            row = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.vocab,)).copy())
             if not prefix:
                 self._first[prompt] = row
             yield prefix, row
@@ -471,10 +476,10 @@ class EngineCase:
 
 
 ENGINES: dict[str, EngineCase] = {e.name: e for e in (
-    EngineCase("llama.cpp-ngram", "llama-server, n-gram speculation (--spec-type ngram-simple)", "make llama.cpp",
-               ("--spec-type", "ngram-simple", "--spec-draft-n-max", "3")),
+    EngineCase("llama.cpp-ngram", "llama-server, n-gram speculation (--spec-type ngram-simple, 3-token lookup: the default 12 never matches in 4 tokens)", "make llama.cpp",
+               ("--spec-type", "ngram-simple", "--spec-draft-n-max", "3", "--spec-ngram-simple-size-n", "3")),
     EngineCase("llama.cpp-ngram-map-k", "llama-server, n-gram map speculation (--spec-type ngram-map-k)",
-               "make llama.cpp", ("--spec-type", "ngram-map-k", "--spec-draft-n-max", "3")),
+               "make llama.cpp", ("--spec-type", "ngram-map-k", "--spec-draft-n-max", "3", "--spec-ngram-map-k-size-n", "3")),
     EngineCase("llama.cpp-ngram-mod", "llama-server, n-gram mod speculation (--spec-type ngram-mod)",
                "make llama.cpp", ("--spec-type", "ngram-mod", "--spec-draft-n-max", "3")),
     EngineCase("llama.cpp-lookup", "llama-server, lookup decoding from an n-gram cache (--spec-type ngram-cache)",
