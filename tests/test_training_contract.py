@@ -298,8 +298,8 @@ def test_a_run_starts_from_a_saved_drafter_adding_the_q_k_norms_it_lacks(target,
     finally:
         new.close()
     with pytest.raises(DrafterCheckpointError, match=r"drafter\.init_from: .*does not fit.*head\.w1"):
-        Trainer(_config(tmp_path / "bad", {"draft_vocab": 24, "init_from": str(saved), **heads,
-                                           "head": {"name": "markov", "rank": 4}}, 1),
+        Trainer(_config(tmp_path / "bad", {"draft_vocab": 24, "init_from": str(saved), "head": {"name": "markov", "rank": 4},
+                                           "confidence": {"name": "dspark-head", "rank": 4, "embedding": "head"}}, 1),
                 target=target, source=source, log=lambda _: None)
     with pytest.raises(DrafterCheckpointError, match=r"draft vocabulary of 24 tokens.*draft_vocab is 16"):
         Trainer(_config(tmp_path / "vocab", {"draft_vocab": 16, "init_from": str(saved), **heads}, 1),
