@@ -354,8 +354,13 @@ class LlamaServerEngine:
 
         # two requests in flight on one slot: the server queues the second, so it never waits for
         # the client's HTTP round trip (the slot, its cache and its passes stay those of one stream)
-        with ThreadPoolExecutor(2) as pool:
+        pool = ThreadPoolExecutor(2)
+        try:
             replies = list(pool.map(one, seeds))
+        finally:
+            # on Ctrl-C or an error, the requests not yet sent are dropped (not waited for): the
+            # server is stopped right after
+            pool.shutdown(wait=True, cancel_futures=True)
         return Sampled([r[0] for r in replies], sum(r[1] for r in replies), sum(r[2] for r in replies))
 
 
