@@ -481,10 +481,12 @@ class EngineCase:
 
 
 ENGINES: dict[str, EngineCase] = {e.name: e for e in (
-    EngineCase("llama.cpp-ngram", "llama-server, n-gram speculation (--spec-type ngram-simple, 3-token lookup: the default 12 never matches in 4 tokens)", "make llama.cpp",
-               ("--spec-type", "ngram-simple", "--spec-draft-n-max", "3", "--spec-ngram-simple-size-n", "3")),
+    EngineCase("llama.cpp-ngram", "llama-server, n-gram speculation (--spec-type ngram-simple; n-gram and m-gram of 3: with the defaults, 12 and 48, it needs 62 tokens of context and never drafts here)", "make llama.cpp",
+               ("--spec-type", "ngram-simple", "--spec-draft-n-max", "3", "--spec-ngram-simple-size-n", "3",
+                "--spec-ngram-simple-size-m", "3")),
     EngineCase("llama.cpp-ngram-map-k", "llama-server, n-gram map speculation (--spec-type ngram-map-k)",
-               "make llama.cpp", ("--spec-type", "ngram-map-k", "--spec-draft-n-max", "3", "--spec-ngram-map-k-size-n", "3")),
+               "make llama.cpp", ("--spec-type", "ngram-map-k", "--spec-draft-n-max", "3", "--spec-ngram-map-k-size-n", "3",
+                "--spec-ngram-map-k-size-m", "3")),
     EngineCase("llama.cpp-ngram-mod", "llama-server, n-gram mod speculation (--spec-type ngram-mod)",
                "make llama.cpp", ("--spec-type", "ngram-mod", "--spec-draft-n-max", "3")),
     EngineCase("llama.cpp-lookup", "llama-server, lookup decoding from an n-gram cache (--spec-type ngram-cache)",
