@@ -40,7 +40,7 @@ import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -51,6 +51,7 @@ from specforge_conformance.stats import (DETECT, FitResult, chi2_sf, detectable_
 
 __all__ = ["ALPHA", "HORIZON", "MIN_GROUP", "Arm", "ArmResult", "CaseReport", "EngineFault", "EngineReport",
            "Reference", "Sampled", "SamplingEngine", "check_arm", "conditional_fit", "default_arms", "run_arms",
+           "sized_control",
            "run_level", "sequence_counts", "two_sample_fit"]
 
 ALPHA = 1e-6  # over the whole run, as in the white-box tier
@@ -346,13 +347,37 @@ def _control_power(draws: dict[int, list[list[int]]], prompts: Sequence[Sequence
     """The first-token statistic's chance of rejecting the control at its N: the served law (at
     the served temperature) against the claimed one, the prompts' non-centralities and degrees
     of freedom summed as the statistic sums them (the later positions only add to it)."""
+    return _predicted_power({i: len(rows) for i, rows in draws.items()}, prompts, reference, arm, level)
+
+
+def _predicted_power(counts: dict[int, int], prompts: Sequence[Sequence[int]], reference: Reference, arm: Arm,
+                     level: float) -> float:
     lam, df = 0.0, 0
-    for i, rows in draws.items():
+    for i, n in counts.items():
         (_, claimed), = reference.laws(prompts[i], [()], arm.claimed)
         (_, served), = reference.laws(prompts[i], [()], arm.temperature)
-        l, d, _ = noncentrality(served, claimed, len(rows))
+        l, d, _ = noncentrality(served, claimed, n)
         lam, df = lam + l, df + d
     return power(df, lam, level)
+
+
+CONTROL_POWER = 0.99  # the predicted chance a control is rejected that sizes it
+CONTROL_MAX_FACTOR = 8  # a control grows to at most 8× its given N (its cost stays that of a few arms)
+
+
+def sized_control(arm: Arm, prompts: Sequence[Sequence[int]], reference: Reference, level: float) -> Arm:
+    """``arm`` (a control) at the N its first-token test needs to reject it with probability
+    CONTROL_POWER — predicted from the reference's laws at the served and claimed temperatures
+    before anything is drawn — at least its own N, at most CONTROL_MAX_FACTOR times it.  How far
+    the served law is from the claimed one depends on the engine's model and prompts, so a fixed
+    share of the clean arms' N can be far too small (measured: a draft-model case's control at
+    N = 500 had a predicted power of 0.04)."""
+    for factor in (1, 2, 4, CONTROL_MAX_FACTOR):
+        n = arm.n * factor
+        counts = {i: n // len(prompts) + (i < n % len(prompts)) for i in range(len(prompts))}
+        if factor == CONTROL_MAX_FACTOR or _predicted_power(counts, prompts, reference, arm, level) >= CONTROL_POWER:
+            return replace(arm, n=n)
+    return arm
 
 
 @dataclass
@@ -445,6 +470,10 @@ def run_arms(engine: SamplingEngine, reference: Reference | None, prompts: Seque
               leave=False) as bar:
         for k, arm in enumerate(arms):
             bar.set_postfix_str(arm.name)
+            if arm.control and reference is not None:
+                sized = sized_control(arm, prompts, reference, level)
+                bar.total += sized.n - arm.n
+                arm = sized
             results.append(check_arm(engine, reference, prompts, arm, level, seed + 100_000_007 * k, horizon,
                                      baseline, bar.update))
     return results

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from specforge_conformance.blackbox import (Arm, CaseReport, EngineFault, EngineReport, Sampled, check_arm,
-                                            conditional_fit, run_level, two_sample_fit)
+                                            conditional_fit, run_level, sized_control, two_sample_fit)
 from specforge_conformance.engines import ENGINES, LlamaServerEngine, SimulatedEngine, run_engines
 
 PROMPTS = [[3], [7], [11]]
@@ -29,6 +29,22 @@ OVER_N = 180_000  # the stated N at which 3 % over-acceptance is rejected (first
 
 def _arm(n: int, **kw) -> Arm:
     return Arm(kw.pop("name", "T=1"), kw.pop("temperature", 1.0), kw.pop("claimed", 1.0), n, **kw)
+
+
+def test_a_control_too_small_to_be_rejected_is_sized_up_before_drawing():
+    """The control's N grows until its predicted power reaches 0.99 (at most 8×); one large
+    enough already is left as it is; the sized control is then rejected."""
+    engine = SimulatedEngine()
+    small = _arm(2_000, name="control", temperature=0.9, control=True)  # predicted power 0.004 here
+    sized = sized_control(small, PROMPTS, engine.reference, LEVEL)
+    assert small.n < sized.n <= 8 * small.n
+    result = check_arm(engine, engine.reference, PROMPTS, sized, LEVEL)
+    assert result.predicted_power >= 0.99
+    assert result.status == "rejected"
+    tiny = _arm(250, name="control", temperature=0.9, control=True)  # even 8× cannot reach it: the cap
+    assert sized_control(tiny, PROMPTS, engine.reference, LEVEL).n == 8 * tiny.n
+    large = _arm(15_000, name="control", temperature=0.9, control=True)
+    assert sized_control(large, PROMPTS, engine.reference, LEVEL) == large
 
 
 def test_exact_speculative_sampling_is_certified_and_over_acceptance_rejected_at_the_stated_n():
