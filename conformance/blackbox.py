@@ -252,11 +252,16 @@ def _finite(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else x
 
 
+def _split(n: int, k: int) -> list[int]:
+    """``n`` requests over ``k`` prompts, the first ``n mod k`` one more."""
+    return [n // k + (i < n % k) for i in range(k)]
+
+
 def _draw(engine: SamplingEngine, prompts: Sequence[Sequence[int]], arm: Arm, seed: int, horizon: int,
           progress: Callable[[int], None] | None) -> tuple[dict[int, list[list[int]]], Sampled]:
     """``arm.n`` requests split over the prompts; request j of prompt i seeded with
     seed + 1,000,003·i + j (distinct across prompts and arms)."""
-    per = [arm.n // len(prompts) + (i < arm.n % len(prompts)) for i in range(len(prompts))]
+    per = _split(arm.n, len(prompts))
     out: dict[int, list[list[int]]] = {}
     total = Sampled([], 0, 0, [] if engine.returns_laws else None)
     for i, (prompt, m) in enumerate(zip(prompts, per)):
@@ -306,7 +311,8 @@ def check_arm(engine: SamplingEngine, reference: Reference | None, prompts: Sequ
                     _position_groups(draws, prompts, reference, arm.claimed, k, covered))
                 result.covered[f"position {k}"] = covered[0] / n
             if arm.control:
-                result.predicted_power = _control_power(draws, prompts, reference, arm, level)
+                result.predicted_power = _predicted_power({i: len(rows) for i, rows in draws.items()}, prompts,
+                                                          reference, arm, level)
         if sampled.laws is not None:
             gen = torch.Generator().manual_seed(seed)
             tests["engine law"] = _engine_law_fit(sampled.laws, sampled.tokens, gen)
@@ -342,16 +348,12 @@ def check_arm(engine: SamplingEngine, reference: Reference | None, prompts: Sequ
     return result
 
 
-def _control_power(draws: dict[int, list[list[int]]], prompts: Sequence[Sequence[int]], reference: Reference,
-                   arm: Arm, level: float) -> float:
-    """The first-token statistic's chance of rejecting the control at its N: the served law (at
-    the served temperature) against the claimed one, the prompts' non-centralities and degrees
-    of freedom summed as the statistic sums them (the later positions only add to it)."""
-    return _predicted_power({i: len(rows) for i, rows in draws.items()}, prompts, reference, arm, level)
-
-
 def _predicted_power(counts: dict[int, int], prompts: Sequence[Sequence[int]], reference: Reference, arm: Arm,
                      level: float) -> float:
+    """The first-token statistic's chance of rejecting a control drawn ``counts[i]`` times on
+    prompt i: the served law (at the served temperature) against the claimed one, the prompts'
+    non-centralities and degrees of freedom summed as the statistic sums them (the later
+    positions only add to it)."""
     lam, df = 0.0, 0
     for i, n in counts.items():
         (_, claimed), = reference.laws(prompts[i], [()], arm.claimed)
@@ -374,7 +376,7 @@ def sized_control(arm: Arm, prompts: Sequence[Sequence[int]], reference: Referen
     N = 500 had a predicted power of 0.04)."""
     for factor in (1, 2, 4, CONTROL_MAX_FACTOR):
         n = arm.n * factor
-        counts = {i: n // len(prompts) + (i < n % len(prompts)) for i in range(len(prompts))}
+        counts = dict(enumerate(_split(n, len(prompts))))
         if factor == CONTROL_MAX_FACTOR or _predicted_power(counts, prompts, reference, arm, level) >= CONTROL_POWER:
             return replace(arm, n=n)
     return arm

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
 import signal
 import subprocess
@@ -556,18 +555,6 @@ def _target_gguf() -> Path:
     return directory / name
 
 
-def _machine() -> str:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} CPUs"
-
-
 def _cpu_seconds() -> float:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
@@ -597,7 +584,10 @@ def run_engines(names: Sequence[str], n: int | None = None, seed: int = 0, threa
             cases.append(CaseReport(name, case.description, "-", skipped=missing))
             continue
         cases.append(_run_case(case, arms, level, seed, threads, drafter, draft, log_dir, progress))
-    return EngineReport(cases, ALPHA, level, _machine())
+    from specforge.machine import machine_line
+
+    # the project's one machine line (CPU model, the flags that matter, threads), as every bench prints
+    return EngineReport(cases, ALPHA, level, machine_line().removeprefix("machine: "))
 
 
 def _run_case(case: EngineCase, arms: Sequence[Arm], level: float, seed: int, threads: int, drafter: Path | None,
