@@ -10,7 +10,9 @@ file first — it must not pull in regeneration and the engine with it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from specforge.lazy import lazy_getattr
 
 if TYPE_CHECKING:  # what type checkers and the API docs (griffe) read; at run time, __getattr__ below
     from specforge.data.chat import ChatTemplateError, Conversation, TokenizedChat, tokenize_conversation
@@ -18,35 +20,11 @@ if TYPE_CHECKING:  # what type checkers and the API docs (griffe) read; at run t
     from specforge.data.regeneration import RegenerationError, RegenerationReport, iter_regenerated, regenerate
     from specforge.data.sharegpt import ShareGPTReport, find_sharegpt_file, iter_sharegpt, load_sharegpt
 
-__all__ = [
-    "ChatTemplateError",
-    "Conversation",
-    "JsonlReport",
-    "LineError",
-    "RegenerationError",
-    "RegenerationReport",
-    "ShareGPTReport",
-    "TokenizedChat",
-    "find_sharegpt_file",
-    "iter_jsonl",
-    "iter_regenerated",
-    "iter_sharegpt",
-    "load_jsonl",
-    "load_sharegpt",
-    "regenerate",
-    "tokenize_conversation",
-]
-
 _LAZY = {"ChatTemplateError": "chat", "Conversation": "chat", "TokenizedChat": "chat", "tokenize_conversation": "chat",
          "JsonlReport": "jsonl", "LineError": "jsonl", "iter_jsonl": "jsonl", "load_jsonl": "jsonl",
          "RegenerationError": "regeneration", "RegenerationReport": "regeneration", "iter_regenerated": "regeneration",
          "regenerate": "regeneration", "ShareGPTReport": "sharegpt", "find_sharegpt_file": "sharegpt",
          "iter_sharegpt": "sharegpt", "load_sharegpt": "sharegpt"}
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"specforge.data.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'specforge.data' has no attribute {name!r}")
+__all__ = sorted(_LAZY)
+__getattr__ = lazy_getattr(__name__, _LAZY)

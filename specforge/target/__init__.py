@@ -7,7 +7,9 @@ and importing a leaf runs this file first — it must not load the runtime and H
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from specforge.lazy import lazy_getattr
 
 if TYPE_CHECKING:  # what type checkers and the API docs (griffe) read; at run time, __getattr__ below
     from specforge.target.adapter import TargetModel
@@ -16,23 +18,8 @@ if TYPE_CHECKING:  # what type checkers and the API docs (griffe) read; at run t
     from specforge.target.cache import CacheFullError, KVCache
     from specforge.target.loading import TargetLoadError
 
-__all__ = [
-    "CacheFullError",
-    "KVCache",
-    "ModelArgs",
-    "TargetLoadError",
-    "TargetModel",
-    "UnsupportedModelError",
-    "VarlenBatch",
-]
-
 _LAZY = {"CacheFullError": "cache", "KVCache": "cache", "ModelArgs": "args", "TargetLoadError": "loading",
          "TargetModel": "adapter", "UnsupportedModelError": "args", "VarlenBatch": "batch"}
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"specforge.target.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'specforge.target' has no attribute {name!r}")
+__all__ = sorted(_LAZY)
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -7,17 +7,10 @@ the drafter plug-ins, so they are imported on first use: importing this package 
 
 from __future__ import annotations
 
-from typing import Any
-
-__all__ = ["CheckpointError", "TrainConfig", "TrainConfigError", "Trainer", "load_train_config"]
+from specforge.lazy import lazy_getattr
 
 _LAZY = {"TrainConfig": "config", "TrainConfigError": "config", "load_train_config": "config",
          "Trainer": "trainer", "CheckpointError": "checkpoint"}
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"specforge.training.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'specforge.training' has no attribute {name!r}")
+__all__ = sorted(_LAZY)
+__getattr__ = lazy_getattr(__name__, _LAZY)
