@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,8 @@ from specforge.acceptance import AcceptanceCounts
 from specforge.bench.hf_baseline import bench_hf, rounds_for, summarize
 from specforge.bench.runner import TEMPERATURE, Report, add_output_arguments, bench_command
 from specforge.evalsets import apply_chat_template, select_prompts
-from specforge.config import EngineConfig, SamplingConfig
+from specforge.config import EngineConfig, PipelineConfig, SamplingConfig
+from specforge.errors import ConfigError
 from specforge.engine import Engine, GenerationRequest
 from specforge.hardware import HardwareProfile
 from specforge.machine import machine
@@ -49,6 +50,13 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
     "ngram-hw": ("ngram", {"gamma": 5, "max_ngram": 3, "min_ngram": 1}),
 }
 HW_CONFIDENCE = 0.4
+
+#: llama.cpp running a drafter trained here (``llama-server -md``), system -> drafter method; the
+#: engine runs the same drafter (variants ``<method>``: every block verified whole, as llama.cpp
+#: does; ``<method>-hw``: hw-prefix on the step curve measured in the run), all at one request.
+LLAMACPP_DRAFTER_SYSTEMS = {"llamacpp-dspark": "dspark", "llamacpp-dflash": "dflash"}
+#: The drafter each method runs unless ``--drafter METHOD=DIR`` says otherwise (None: must be given).
+DEFAULT_DRAFTERS: dict[str, str | None] = {"dspark": "shipped:smollm2-135m-instruct", "dflash": None}
 
 
 def variant_engine(target: TargetModel, variant: str, concurrency: int, max_new_tokens: int,
@@ -88,13 +96,20 @@ def bench_engine_variant(
     progress: bool = True,
     profile: HardwareProfile | None = None,
     warmup_tokens: int = 8,
+    pipeline: PipelineConfig | None = None,
 ) -> dict[str, Any]:
     """Time the engine: rounds of ``concurrency`` requests submitted together (``profile``: the
-    step curve the ``-hw`` variants schedule with)."""
+    step curve the ``-hw`` variants schedule with; ``pipeline``: the components of a variant
+    outside :data:`ENGINE_VARIANTS`, such as a trained drafter's)."""
     from tqdm.auto import tqdm
 
     system = _system(target)
-    engine = variant_engine(target, variant, concurrency, max_new_tokens, profile)
+    if pipeline is None:
+        engine = variant_engine(target, variant, concurrency, max_new_tokens, profile)
+    else:
+        engine = Engine.from_pipeline(replace(
+            pipeline, sampling=SamplingConfig(temperature=TEMPERATURE, max_new_tokens=max_new_tokens),
+            engine=EngineConfig(max_batch=concurrency, max_context=4096)), target)
     plan = rounds_for(len(prompt_ids), concurrency, min_rounds)
 
     def requests(indices: Sequence[int], n: int) -> list[GenerationRequest]:
@@ -115,6 +130,7 @@ def bench_engine_variant(
     record.update(summarize(times, counts, ptoks))
     pooled = AcceptanceCounts.pooled(stats)
     record["extra"] = {
+        "gamma": None if engine.drafter is None else int(engine.drafter.gamma),
         "tau": round(pooled.tau, 4) if pooled.rounds else None,
         "verified": pooled.verified,
         "accepted": pooled.accepted,
@@ -161,15 +177,18 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    head = (f"{'system':<25} {'variant':<8} {'dtype':<9} {'c':>3} {'tok/s':>8} {'per-req':>8} {'vs HF':>6} "
+    head = (f"{'system':<25} {'variant':<10} {'dtype':<9} {'c':>3} {'tok/s':>8} {'per-req':>8} {'vs HF':>6} "
             f"{'vs AR':>6} {'vs llama':>8}  note")
     lines = [head, "-" * len(head)]
     for r in records:
         def f(v, spec=".1f"):
             return format(v, spec) if isinstance(v, (int, float)) else "—"
-        note = r.get("reason") or (f"tau={r['extra']['tau']}" if r.get("extra", {}).get("tau") else "")
+        extra = r.get("extra") or {}
+        note = r.get("reason") or (f"tau={extra['tau']}" if extra.get("tau") else "")
+        if extra.get("acceptance_rate") is not None:
+            note = f"accepted {extra['accepted']}/{extra['drafted']} drafted"
         lines.append(
-            f"{r['system']:<25} {r['variant']:<8} {str(r.get('dtype')):<9} {r['concurrency']:>3} "
+            f"{r['system']:<25} {r['variant']:<10} {str(r.get('dtype')):<9} {r['concurrency']:>3} "
             f"{f(r.get('tok_s')):>8} {f(r.get('per_request_tok_s')):>8} {f(r.get('vs_hf'), '.2f'):>6} "
             f"{f(r.get('vs_engine_ar'), '.2f'):>6} {f(r.get('vs_llamacpp'), '.2f'):>8}  {note}"
         )
@@ -211,6 +230,7 @@ def run_engine_benchmark(
     profile: HardwareProfile | None = None,
     compiled: bool = False,
     weights: str = "dense",
+    drafters: dict[str, str | None] | None = None,
 ) -> dict[str, Any]:
     """Every system on the same prompts; ``profile`` (default: measured here, first) is the step
     curve of the ``ngram-hw`` variant.  ``compiled`` also runs every engine variant with the
@@ -219,7 +239,9 @@ def run_engine_benchmark(
     ``dtype="auto"`` runs the engine in the precision measured on this machine and the peers (HF
     generate, vLLM) in float32 and in bfloat16 each, so that each is met at its best.
     ``specforge-llamacpp`` runs the same engine variants on the llama.cpp backend, with a step
-    curve of its own; ``llamacpp`` is llama.cpp decoding the GGUF itself (:mod:`.llamacpp_peer`)."""
+    curve of its own; ``llamacpp`` is llama.cpp decoding the GGUF itself (:mod:`.llamacpp_peer`);
+    ``llamacpp-dspark``/``llamacpp-dflash`` run a drafter of ``drafters`` (method -> checkpoint,
+    default :data:`DEFAULT_DRAFTERS`) in llama-server and in the engine, at one request."""
     target = TargetModel.load("smollm2", dtype, weights=weights, backend="torch")
     peer_dtypes = ["float32", "bfloat16"] if dtype == "auto" else [dtype]
     trunk = _compiled_trunk(target) if compiled and "specforge" in systems else None
@@ -237,7 +259,7 @@ def run_engine_benchmark(
         records.extend(bench_llamacpp(_gguf(target), prompt_ids, concurrency, max_new_tokens, progress=progress))
         records.extend(bench_llamacpp_server(_gguf(target), prompt_ids, concurrency, max_new_tokens,
                                              progress=progress))
-    fast_curves = None
+    fast, fast_curves = None, None
     if "specforge-llamacpp" in systems:
         fast, skipped = _llamacpp_target(target)
         if fast is None:
@@ -249,6 +271,12 @@ def run_engine_benchmark(
     if "specforge" in systems:
         curves = _step_curves(target, trunk, profile, concurrency, progress)
         records.extend(_bench_engine(target, trunk, prompt_ids, concurrency, max_new_tokens, curves, progress))
+    engines = [(t, c.eager) for t, c, on in ((target, curves, "specforge" in systems),
+                                              (fast, fast_curves, fast_curves is not None)) if on]
+    for system, method in LLAMACPP_DRAFTER_SYSTEMS.items():
+        if system in systems:
+            records.extend(_bench_drafter(system, method, {**DEFAULT_DRAFTERS, **(drafters or {})}.get(method),
+                                          target, engines, prompt_ids, max_new_tokens, progress))
     if "vllm" in systems:
         from specforge.bench.vllm_client import bench_vllm
 
@@ -303,6 +331,55 @@ def _llamacpp_target(target: TargetModel) -> tuple[TargetModel | None, dict[str,
                        precision=type(target.precision).fixed(target.precision.primary), gguf=_gguf(target),
                        backend="llama.cpp")
     return fast, None
+
+
+def _bench_drafter(system: str, method: str, checkpoint: str | None, target: TargetModel,
+                   engines: list[tuple[TargetModel, HardwareProfile | None]], prompt_ids: Sequence[Sequence[int]],
+                   max_new_tokens: int, progress: bool) -> list[dict[str, Any]]:
+    """llama-server running ``checkpoint`` exported as GGUF (``system``), and the engine running
+    it on each of ``engines`` (a target and its step curve): every block verified, and under
+    hw-prefix; one request at a time."""
+    import tempfile
+
+    from specforge.bench.llamacpp_drafter import server_flags
+    from specforge.bench.llamacpp_peer import _skipped, bench_llamacpp_server
+    from specforge.bench.peer_drafter import serving_pipeline
+    from specforge.interop import export_checkpoint
+    from specforge.toolkit.checkpoints import resolve_checkpoint
+
+    if checkpoint is None:
+        return [_skipped("draft", 1, f"no {method} drafter given (--drafter {method}=DIR)", system)]
+    get_host()  # the plug-ins register the shipped drafters a ``shipped:`` name resolves to
+    directory = resolve_checkpoint(checkpoint)
+    _, pipeline = serving_pipeline(directory, [method], [], f"bench engine's {system}")
+    records = []
+    gamma = None
+    for engine_target, curve in engines:
+        for variant in (method, f"{method}-hw"):
+            arm = pipeline
+            if variant.endswith("-hw"):
+                if curve is None:
+                    continue
+                largest = curve.points()[-1][0]
+                arm = _with_section(pipeline, "scheduler", {"name": "hw-prefix",
+                                                            "sps": [curve.sps(b) for b in range(1, largest + 1)]})
+            record = bench_engine_variant(engine_target, prompt_ids, variant, 1, max_new_tokens, progress=progress,
+                                          pipeline=arm)
+            records.append(record)
+            gamma = record["extra"].get("gamma", gamma)
+    with tempfile.TemporaryDirectory(prefix="specforge-gguf-") as tmp:
+        export = Path(tmp) / f"{method}.gguf"
+        export_checkpoint(directory, "llama.cpp", export)
+        records.extend(bench_llamacpp_server(_gguf(target), prompt_ids, [1], max_new_tokens, progress=progress,
+                                             variants={"draft": server_flags(method, export, gamma)}, system=system))
+    return records
+
+
+def _with_section(pipeline: PipelineConfig, slot: str, section: dict[str, Any]) -> PipelineConfig:
+    """``pipeline`` with its ``slot`` section replaced by ``section``, validated again."""
+    from specforge.config import load_pipeline
+
+    return load_pipeline(["default"], sections={**pipeline.to_dict(), slot: section})
 
 
 def _templated(target: TargetModel, prompts) -> list[list[int]]:
@@ -433,10 +510,15 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    help="the engine's precision (auto: measured on this machine, docs/engine.md#precision); "
                         "with auto HF generate and vLLM run in float32 and in bfloat16")
     systems = ["hf", "specforge", "specforge-llamacpp", "llamacpp", "vllm"]
-    p.add_argument("--systems", nargs="+", choices=systems, default=systems,
+    p.add_argument("--systems", nargs="+", choices=[*systems, *LLAMACPP_DRAFTER_SYSTEMS], default=systems,
                    help="specforge: the engine on the torch backend; specforge-llamacpp: on the llama.cpp "
                         "backend; llamacpp: llama.cpp's own decoding through its binding (one request: plain, prompt "
-                        "lookup) and its llama-server (every concurrency; n-gram modes at one request)")
+                        "lookup) and its llama-server (every concurrency; n-gram modes at one request); "
+                        "llamacpp-dspark / llamacpp-dflash: llama-server running a drafter trained here (exported as "
+                        "GGUF) and the engine running the same drafter, at one request")
+    p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
+                   help="the drafter checkpoint of llamacpp-dspark / llamacpp-dflash (default: "
+                        "dspark=shipped:smollm2-135m-instruct; dflash must be given)")
     p.add_argument("--per-dataset", nargs="*", default=[], metavar="DATASET",
                    help="also report ngram ÷ plain at concurrency 1 on each of these sets")
     p.add_argument("--eval-dir", default=None, metavar="DIR",
@@ -466,8 +548,18 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, systems=args.systems,
         per_dataset=args.per_dataset, eval_directory=args.eval_dir,
         profile=HardwareProfile.load(args.profile) if args.profile else None,
-        compiled=args.compile, weights=args.weights,
+        compiled=args.compile, weights=args.weights, drafters=_drafters(args.drafter),
     )
+
+
+def _drafters(given: Sequence[str]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for item in given:
+        method, sep, path = item.partition("=")
+        if not sep or method not in DEFAULT_DRAFTERS:
+            raise ConfigError([f"--drafter {item!r}: expected METHOD=DIR with METHOD one of {', '.join(DEFAULT_DRAFTERS)}"])
+        out[method] = path
+    return out
 
 
 COMMAND = bench_command("engine", _arguments, _measure, REPORT)

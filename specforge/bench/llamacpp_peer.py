@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -100,9 +100,13 @@ def bench_llamacpp(gguf: Path, prompt_ids: Sequence[Sequence[int]], concurrencie
 
 def bench_llamacpp_server(gguf: Path, prompt_ids: Sequence[Sequence[int]], concurrencies: Sequence[int],
                           max_new_tokens: int = 128, min_rounds: int = 2, progress: bool = True,
-                          threads: int | None = None, log_dir: Path | None = None) -> list[dict[str, Any]]:
+                          threads: int | None = None, log_dir: Path | None = None,
+                          variants: Mapping[str, tuple[str, ...]] = SERVER_VARIANTS,
+                          system: str = "llamacpp-server") -> list[dict[str, Any]]:
     """llama-server with ``c`` slots, ``c`` requests in flight (each round submitted together, as
-    the engine's rounds are), greedy, exactly ``max_new_tokens`` tokens each."""
+    the engine's rounds are), greedy, exactly ``max_new_tokens`` tokens each; each of ``variants``
+    (name -> llama-server flags) but ``plain`` at one request only.  A speculative variant's record
+    has the draft tokens llama.cpp drafted and accepted in ``extra``."""
     from tqdm.auto import tqdm
 
     from specforge.llamacpp.server import LlamaServer, ServerError
@@ -110,20 +114,26 @@ def bench_llamacpp_server(gguf: Path, prompt_ids: Sequence[Sequence[int]], concu
 
     reason = missing_reason("llama-server")
     if reason:
-        return [_skipped(v, c, reason, "llamacpp-server") for c in concurrencies for v in SERVER_VARIANTS
-                if v == "plain" or c == 1]
+        return [_skipped(v, c, reason, system) for c in concurrencies for v in variants if v == "plain" or c == 1]
     context = max(len(p) for p in prompt_ids) + max_new_tokens + 16
     records = []
     for c in concurrencies:
-        for variant, flags in SERVER_VARIANTS.items():
+        for variant, flags in variants.items():
             if variant != "plain" and c != 1:
                 continue
             log = None if log_dir is None else Path(log_dir) / f"llama-server-{variant}-c{c}.log"
             try:
                 with LlamaServer(gguf, slots=c, context=context, threads=threads or torch.get_num_threads(),
                                  extra=("-fa", "auto", "-kvu", *flags), log=log) as server:
+                    drafts = [0, 0]  # drafted, accepted: over the timed rounds
+
                     def one(i: int, n: int) -> int:
-                        return int(server.complete(prompt_ids[i], n)["tokens_predicted"])
+                        reply = server.complete(prompt_ids[i], n)
+                        if n == max_new_tokens:
+                            timings = reply.get("timings", {})
+                            drafts[0] += int(timings.get("draft_n", 0))
+                            drafts[1] += int(timings.get("draft_n_accepted", 0))
+                        return int(reply["tokens_predicted"])
 
                     with ThreadPoolExecutor(c) as pool:
                         list(pool.map(lambda i: one(i, 8), range(min(c, len(prompt_ids)))))  # warm-up
@@ -136,10 +146,13 @@ def bench_llamacpp_server(gguf: Path, prompt_ids: Sequence[Sequence[int]], concu
                             times.append(time.perf_counter() - t0)
                             ptoks += sum(len(prompt_ids[i]) for i in indices)
             except ServerError as exc:
-                records.append(_skipped(variant, c, str(exc), "llamacpp-server"))
+                records.append(_skipped(variant, c, str(exc), system))
                 continue
-            record = {"system": "llamacpp-server", "variant": variant, "dtype": "llama.cpp", "concurrency": c,
+            record = {"system": system, "variant": variant, "dtype": "llama.cpp", "concurrency": c,
                       "status": "ok", "reason": None}
             record.update(summarize(times, counts, ptoks))
+            if drafts[0]:
+                record["extra"] = {"drafted": drafts[0], "accepted": drafts[1],
+                                   "acceptance_rate": round(drafts[1] / drafts[0], 4)}
             records.append(record)
     return records

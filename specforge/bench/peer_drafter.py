@@ -32,7 +32,7 @@ from specforge.bench.runner import TEMPERATURE
 from specforge.errors import ConfigError
 
 __all__ = ["ACCEPTANCE", "Peer", "PeerDrafterSettings", "PeerRun", "add_peer_arguments", "passed",
-           "run_peer_drafter", "settings_from", "table"]
+           "run_peer_drafter", "serving_pipeline", "settings_from", "table"]
 
 #: The acceptance statistics a peer may report, and how ours is computed in the same definition
 #: from pooled :class:`~specforge.acceptance.AcceptanceCounts`.
@@ -97,7 +97,13 @@ class Peer(Protocol):
         """Decode every prompt plainly and with the drafter; a dict says what failed instead."""
 
 
-def _pipeline(peer: Peer, drafter_dir: Path, overrides: Sequence[str]) -> tuple[str, Any]:
+def serving_pipeline(drafter_dir: Path, methods: Sequence[str], overrides: Sequence[str],
+                     who: str = "this bench") -> tuple[str, Any]:
+    """``(method, pipeline)``: the engine's default pipeline (every draft verified whole, as the
+    peers do) serving the drafter checkpoint ``drafter_dir`` as it was trained — with the
+    correction and confidence heads its checkpoint names (a block drafter's config.json; the
+    peers run them from the exported file too) — and ``overrides``.  A method outside
+    ``methods`` is refused, naming ``who`` serves which."""
     import json
 
     from specforge.config import load_pipeline
@@ -107,11 +113,8 @@ def _pipeline(peer: Peer, drafter_dir: Path, overrides: Sequence[str]) -> tuple[
     except (OSError, ValueError) as exc:
         raise ConfigError([f"{drafter_dir}: not a specforge drafter checkpoint ({exc})"]) from None
     method = meta.get("method") if isinstance(meta, dict) else None
-    if method not in peer.methods:
-        raise ConfigError([f"{drafter_dir}: a {method!r} drafter; {peer.name} serves {', '.join(peer.methods)}"])
-    # The engine's default pipeline (every draft verified whole, as the peers do) serving this
-    # drafter as it was trained: with the correction and confidence heads its checkpoint names
-    # (a block drafter's config.json; the peers run them from the exported file too).
+    if method not in methods:
+        raise ConfigError([f"{drafter_dir}: a {method!r} drafter; {who} serves {', '.join(methods)}"])
     sections: dict[str, Any] = {"drafter": {"name": method, "checkpoint": str(drafter_dir)}}
     for key, slot in (("head", "correction_head"), ("confidence", "confidence")):
         trained = meta.get(key)
@@ -119,7 +122,7 @@ def _pipeline(peer: Peer, drafter_dir: Path, overrides: Sequence[str]) -> tuple[
             options = trained.get("config") or {}
             sections[slot] = {"name": trained["name"],
                               **{k: options[k] for k in ("rank", "embedding") if k in options}}
-    return method, load_pipeline(["default"], [*peer.pipeline_overrides, *overrides], sections=sections)
+    return method, load_pipeline(["default"], list(overrides), sections=sections)
 
 
 def _decode(engines: dict[str, Any], prompt_ids: list[list[int]], max_new_tokens: int,
@@ -169,8 +172,12 @@ def run_peer_drafter(peer: Peer, drafter_dir: str | Path, settings: PeerDrafterS
     from specforge.target import TargetModel
     from specforge.toolkit.checkpoints import resolve_checkpoint
 
+    from specforge.plugins import get_host
+
+    get_host()  # the plug-ins register the shipped drafters a ``shipped:`` name resolves to
     drafter_dir, out = resolve_checkpoint(drafter_dir), Path(out)
-    method, pipeline = _pipeline(peer, drafter_dir, settings.overrides)
+    method, pipeline = serving_pipeline(drafter_dir, list(peer.methods),
+                                        [*peer.pipeline_overrides, *settings.overrides], peer.name)
     version = peer.check()  # a missing peer says how to install it, before any work
     export = peer.export_path(method, out)
     if export.is_dir():
