@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from specforge import hookimpl
+from specforge.errors import ConfigError
 from specforge.resume import UnreadableRecord, differences, read_record, write_record
 
 __all__ = ["add_arguments", "run"]
@@ -57,8 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="append", default=None, metavar="NAME",
                    help="black-box tier: check an engine we do not own through its public interface (repeatable; "
                         "`--engine list` lists them and what installs each); --n sets the T = 1 arm's requests")
-    p.add_argument("--drafter", default=None, metavar="DRAFTER.gguf",
-                   help="with --engine llama.cpp-dspark: the drafter GGUF (`specforge export --to llama.cpp`)")
+    p.add_argument("--drafter", default=None, metavar="DRAFTER",
+                   help="with --engine llama.cpp-dspark / llama.cpp-dflash: the drafter, a GGUF (`specforge export --to "
+                        "llama.cpp`) or a checkpoint directory or shipped:NAME (exported beside --out, or to a "
+                        "temporary file)")
     p.add_argument("--draft", default=None, metavar="DRAFT.gguf",
                    help="with --engine llama.cpp-draft: the draft model (default: the target GGUF itself)")
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the JSON report here")
@@ -132,8 +136,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_engines(args: argparse.Namespace) -> int:
     """The black-box tier (docs/engines.md): each engine started, drawn from, tested and stopped."""
-    from pathlib import Path
-
     from specforge_conformance.engines import ENGINES, engine_list, run_engines
 
     if "list" in args.engine:
@@ -143,16 +145,37 @@ def _run_engines(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown engine {', '.join(unknown)}; choose from {', '.join(ENGINES)} (or `list`)", file=sys.stderr)
         return 2
-    for flag, path in (("--drafter", args.drafter), ("--draft", args.draft)):
-        if path and not Path(path).is_file():
-            print(f"{flag} {path}: no such file (a .gguf)", file=sys.stderr)
-            return 2
-    report = run_engines(args.engine, n=args.n, seed=args.seed, drafter=args.drafter and Path(args.drafter),
+    if args.draft and not Path(args.draft).is_file():
+        print(f"--draft {args.draft}: no such file (a .gguf)", file=sys.stderr)
+        return 2
+    drafter = _drafter_gguf(args.drafter, Path(args.out).parent if args.out else None) if args.drafter else None
+    report = run_engines(args.engine, n=args.n, seed=args.seed, drafter=drafter,
                          draft=args.draft and Path(args.draft),
                          log_dir=Path(args.out).parent if args.out else None, progress=_progress)
     text = report.table() + f"\n\n{'PASSED' if report.passed else 'FAILED'} (engines)"
     _emit(args, report.to_dict(), text)
     return 0 if report.passed else 1
+
+
+def _drafter_gguf(drafter: str, out_dir: Path | None) -> Path:
+    """``drafter`` as a GGUF llama.cpp loads: the file itself, or a drafter checkpoint (a directory
+    or ``shipped:NAME``) exported ``--to llama.cpp`` into ``out_dir`` (or a temporary folder)."""
+    import tempfile
+
+    from specforge.interop import export_checkpoint
+    from specforge.plugins import get_host
+    from specforge.toolkit.checkpoints import resolve_checkpoint
+
+    if Path(drafter).is_file():
+        return Path(drafter)
+    get_host()  # the plug-ins register the shipped drafters a ``shipped:`` name resolves to
+    source = resolve_checkpoint(drafter)
+    if not (source / "config.json").is_file():
+        raise ConfigError([f"--drafter {drafter}: neither a .gguf file nor a drafter checkpoint directory"])
+    folder = out_dir if out_dir is not None else Path(tempfile.mkdtemp(prefix="specforge-drafter-"))
+    path = folder / f"{source.name.replace(':', '-')}.gguf"
+    export_checkpoint(source, "llama.cpp", path)
+    return path
 
 
 def _run_seeds(args: argparse.Namespace, tier: str) -> int:

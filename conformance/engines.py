@@ -500,6 +500,8 @@ ENGINES: dict[str, EngineCase] = {e.name: e for e in (
                ("--spec-type", "draft-simple", "--spec-draft-n-max", "3")),
     EngineCase("llama.cpp-dspark", "llama-server with our exported DSpark drafter (--spec-type draft-dspark -md "
                "DRAFTER.gguf)", "make llama.cpp", ("--spec-type", "draft-dspark"), needs_drafter=True),
+    EngineCase("llama.cpp-dflash", "llama-server with our exported DFlash drafter (--spec-type draft-dflash -md "
+               "DRAFTER.gguf)", "make llama.cpp", ("--spec-type", "draft-dflash"), needs_drafter=True),
     EngineCase("vllm-ngram", "vLLM CPU, ngram speculation (3 tokens, prompt lookup 1–3), offline API with logprobs",
                "make vllm", kind="vllm"),
     EngineCase("simulated", "in process: exact speculative sampling of a known 16-token Markov law (no process)",
@@ -543,8 +545,8 @@ def _missing(case: EngineCase, drafter: Path | None = None) -> str | None:
     except BindingError as exc:
         return str(exc)
     if case.needs_drafter and drafter is None:
-        return ("needs a drafter GGUF: --drafter DRAFTER.gguf (`specforge export --to llama.cpp` of a DSpark drafter "
-                "with q/k norm; the shipped one has none yet)")
+        return ("needs a drafter: --drafter DRAFTER (a GGUF from `specforge export --to llama.cpp`, or a drafter "
+                "checkpoint directory or shipped:NAME, exported on the fly)")
     return None
 
 

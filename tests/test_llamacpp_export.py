@@ -469,3 +469,18 @@ def test_a_run_saved_without_qk_norm_resumes_only_as_it_was(tmp_path):
         method(True).load(golden / "drafter-markov")
     method(False).load(golden / "drafter-markov")
     method(None).load(golden / "drafter-markov")  # null: as the target's layers (none on a Llama), the old default
+
+
+def test_the_black_box_tier_takes_a_drafter_checkpoint_and_exports_it(exported, tmp_path):
+    """``specforge conformance --engine llama.cpp-dspark --drafter X``: X a GGUF is used as is, a
+    checkpoint directory is exported beside --out first (the same file `specforge export` writes)."""
+    from specforge.errors import ConfigError
+    from specforge_conformance.cli import _drafter_gguf
+
+    source, gguf = exported["dspark"]
+    assert _drafter_gguf(str(gguf), tmp_path) == gguf
+    written = _drafter_gguf(str(source), tmp_path)
+    assert written.parent == tmp_path and written.suffix == ".gguf"
+    assert written.read_bytes() == gguf.read_bytes()
+    with pytest.raises(ConfigError, match="neither a .gguf file nor a drafter checkpoint"):
+        _drafter_gguf(str(tmp_path / "nothing"), tmp_path)
