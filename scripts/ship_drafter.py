@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -52,6 +53,26 @@ def _data_manifest(run: Path) -> dict:
             "answers_written": sum(s["written"] for s in shards),
             "prompts_skipped": sum(len(s["skipped"]) for s in shards),
             "answer_tokens": sum(s["new_tokens"] for s in shards)}
+
+
+def _lineage(train_cfg: dict) -> list[str]:
+    """The card's line on the drafter a run started from (``drafter.init_from``): its steps and,
+    from its own card, its training time — a warm start's cost is the sum."""
+    ref = (train_cfg.get("drafter") or {}).get("init_from")
+    if not ref:
+        return []
+    from specforge.plugins import get_host
+    from specforge.toolkit.checkpoints import resolve_checkpoint
+
+    get_host()  # registers the shipped drafters
+    start = resolve_checkpoint(ref)
+    info = json.loads((start / CONFIG).read_text()).get("drafter", {})
+    steps = info.get("shipped_from_step") or info.get("trained_steps")
+    card = start / "MODEL_CARD.md"
+    hours = re.search(r"([0-9.]+) CPU-hours", card.read_text()) if card.is_file() else None
+    return [f"- started from `{ref}` (`drafter.init_from`: every tensor copied, its draft vocabulary kept, the q/k "
+            f"norms it lacked starting at one), itself trained for {steps or '?'} steps"
+            + (f" and {hours.group(1)} CPU-hours" if hours else "") + "; the lines below are this run's"]
 
 
 def _eval_table(result: dict) -> list[str]:
@@ -89,6 +110,8 @@ def main() -> None:
                          "cannot run it (specforge export refuses it); train with drafter.qk_norm=true (the "
                          "default), or pass --allow-unexportable")
     out = SHIPPED / args.name
+    train_cfg = json.loads((source.parent / "train_config.json").read_text())
+    start = _lineage(train_cfg)  # read before the old version (perhaps the start itself) is replaced
     if out.exists():
         shutil.rmtree(out)
     bf16 = [None if m is None else m.to(torch.bfloat16) for m in (backbone, head, confidence)]
@@ -98,7 +121,6 @@ def main() -> None:
     records = [json.loads(line) for line in (args.run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     curve = [p for p in learning_curve(records) if p["step"] <= state["step"]]
     plot_learning_curve(curve, out / "learning-curve.png", title=f"shipped:{args.name}")
-    train_cfg = json.loads((source.parent / "train_config.json").read_text())
     data = _data_manifest(args.run)
     last = curve[-1] if curve else {}
     record = json.loads((out / CONFIG).read_text())["files"][WEIGHTS]
@@ -127,6 +149,7 @@ def main() -> None:
           ["No engine's layout holds draft layers without q/k norm: retrain with drafter.qk_norm=true."]),
         "",
         "## Training",
+        *start,
         f"- steps: {state['step']} of {state['total_steps']} ({state['steps_per_epoch']} per epoch)",
         f"- training time: {last.get('hours', float('nan')):.2f} h wall, "
         f"{last.get('cpu_hours', float('nan')):.2f} CPU-hours (step time × threads; evaluation excluded)",
