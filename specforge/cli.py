@@ -541,8 +541,23 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM (``kill``, a job scheduler, a CI timeout) ends a command as Ctrl-C does: Python's
+    default would die at once, skipping every ``finally`` — the processes a command started
+    (llama-server, vLLM) would outlive it and a checkpoint being written would be left half done."""
+    import signal
+    import threading
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _interrupt_on_sigterm()
     try:
         return args.func(args)
     except SpecforgeError as exc:  # bad input or environment, explained by the message itself

@@ -212,6 +212,35 @@ def test_a_real_llama_server_is_gone_when_the_block_ends_with_an_error():
         os.kill(pid, 0)
 
 
+def test_a_killed_command_stops_the_llama_server_it_started(tmp_path):
+    """SIGTERM (kill, a scheduler, a timeout) ends `specforge conformance --engine …` as Ctrl-C
+    does: the llama-server it started goes with it."""
+    import signal
+    import time
+
+    reason = _llama_server_missing()
+    if reason:
+        pytest.skip(reason)
+    log = tmp_path / "engines.json"
+    run = subprocess.Popen([sys.executable, "-m", "specforge", "conformance", "--engine", "llama.cpp-ngram",
+                            "--n", "100000", "--out", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
+    deadline, server = time.monotonic() + 180, None
+    while server is None and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.5)
+        children = subprocess.run(["pgrep", "-P", str(run.pid), "llama-server"], capture_output=True, text=True)
+        server = int(children.stdout.split()[0]) if children.stdout.strip() else None
+    assert server is not None, "the command never started llama-server"
+    time.sleep(2)  # drawing
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) != 0
+    assert "interrupted" in run.stderr.read()
+    with pytest.raises(ProcessLookupError):
+        for _ in range(40):  # its exit is waited for by the block that started it
+            os.kill(server, 0)
+            time.sleep(0.25)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama.cpp-ngram", "llama.cpp-draft"])
 def test_a_llama_cpp_case_end_to_end(name):
