@@ -143,8 +143,8 @@ def main() -> None:
         "",
         "## Serving it elsewhere",
         *(["```bash",
-           f"specforge export {out} --to llama.cpp --out {args.name}.gguf   # llama.cpp (docs/llama-cpp.md)",
-           f"specforge export {out} --to vllm --out {args.name}-vllm",
+           f"specforge export shipped:{args.name} --to llama.cpp --out {args.name}.gguf   # llama.cpp (docs/llama-cpp.md)",
+           f"specforge export shipped:{args.name} --to vllm --out {args.name}-vllm",
            "```"] if backbone.config.qk_norm else
           ["No engine's layout holds draft layers without q/k norm: retrain with drafter.qk_norm=true."]),
         "",

@@ -455,7 +455,7 @@ def _calibrate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("drafter", metavar="DRAFTER_DIR")
+    p.add_argument("drafter", metavar="DRAFTER_DIR", help="a drafter checkpoint directory, or shipped:NAME")
     p.add_argument("--to", required=True, metavar="FORMAT",
                    help="vllm, sglang, llama.cpp, … (per drafter method), or hf: the checkpoint with a model card")
     p.add_argument("--out", required=True, metavar="DIR",

@@ -24,6 +24,7 @@ from typing import Any
 from specforge.files import replace_atomically
 from specforge.model_card import export_hf
 from specforge.plugins import get_host
+from specforge.toolkit.checkpoints import resolve_checkpoint
 from specforge.toolkit.formats import CheckpointFormat, InteropError, require_safetensors
 
 __all__ = ["export_checkpoint", "import_checkpoint"]
@@ -68,7 +69,7 @@ def export_checkpoint(source: str | Path, to: str, out: str | Path, host: Any = 
     ``to="hf"`` (every method): the checkpoint with a model card (:mod:`specforge.model_card`),
     which shows the ``evaluation`` and ``conformance`` result files when given."""
     host = host or get_host()
-    source = Path(source)
+    source = resolve_checkpoint(source)  # a directory, or shipped:NAME (registered by the plug-ins just loaded)
     try:
         meta = json.loads((source / "config.json").read_text())
     except FileNotFoundError:
