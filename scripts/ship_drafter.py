@@ -70,7 +70,7 @@ def _lineage(train_cfg: dict) -> list[str]:
     steps = info.get("shipped_from_step") or info.get("trained_steps")
     card = start / "MODEL_CARD.md"
     hours = re.search(r"([0-9.]+) CPU-hours", card.read_text()) if card.is_file() else None
-    return [f"- started from `{ref}` (`drafter.init_from`: every tensor copied, its draft vocabulary kept, the q/k "
+    return [f"- started from `{ref}` as shipped then (`drafter.init_from`: every tensor copied, its draft vocabulary kept, the q/k "
             f"norms it lacked starting at one), itself trained for {steps or '?'} steps"
             + (f" and {hours.group(1)} CPU-hours" if hours else "") + "; the lines below are this run's"]
 
@@ -87,7 +87,8 @@ def _eval_table(result: dict) -> list[str]:
     s = result["settings"]
     lines.append("")
     lines.append(f"{s['prompts']} prompts per set, {s['max_new_tokens']} new tokens, concurrency {s['concurrency']}, "
-                 "speedups against plain decoding of the same engine measured in the same run.")
+                 + ("speedups against plain decoding of the same engine measured in the same run."
+                    if s.get("speedup", True) else "τ only (no plain baseline in this run)."))
     return lines
 
 
@@ -96,7 +97,8 @@ def main() -> None:
     ap.add_argument("--run", type=Path, required=True, help="the training output directory")
     ap.add_argument("--name", required=True, help="shipped name (shipped:<name>)")
     ap.add_argument("--checkpoint", type=Path, default=None, help="drafter directory (default: the newest checkpoint's)")
-    ap.add_argument("--eval", type=Path, default=None, help="eval.json of this drafter (specforge eval)")
+    ap.add_argument("--eval", type=Path, action="append", default=[],
+                    help="eval.json of this drafter (specforge eval); repeatable: one table each")
     ap.add_argument("--machine", default=None, help="where it was trained (default: this machine's CPU)")
     ap.add_argument("--allow-unexportable", action="store_true",
                     help="ship a drafter without q/k norm (no engine's layout can hold it)")
@@ -165,8 +167,10 @@ def main() -> None:
         f"{data['prompts_skipped']} prompts skipped (longer than the context limit)",
         "",
     ]
-    if args.eval is not None:
-        card += ["## Measured", *_eval_table(json.loads(args.eval.read_text())), ""]
+    if args.eval:
+        card += ["## Measured"]
+        for path in args.eval:
+            card += ["", f"`{path.name}` of `{path.parent.name}`:", "", *_eval_table(json.loads(path.read_text())), ""]
     card += ["## Training config", "```json", json.dumps(train_cfg, indent=2), "```", ""]
     (out / "MODEL_CARD.md").write_text("\n".join(card))
     print(f"wrote {out} ({record['bytes'] / 2**20:.1f} MiB weights)")

@@ -369,13 +369,16 @@ def test_what_llama_cpp_cannot_compute_is_refused_and_nothing_written(tmp_path, 
     assert not out.exists() and not list(tmp_path.glob(".out.gguf*"))
 
 
-def test_the_shipped_drafter_loads_as_trained_and_is_refused_for_its_missing_qk_norm(tmp_path):
+def test_the_shipped_drafter_has_qk_norm_and_exports_by_name(tmp_path):
+    """Retrained with q/k norm (docs/shipped-drafter.md), the shipped drafter is one llama.cpp runs."""
+    from gguf import GGUFReader
+
     backbone, _, _, _ = load_drafter("shipped:smollm2-135m-instruct")
-    assert json.loads((SHIPPED / "config.json").read_text())["backbone"]["qk_norm"] is False
-    assert backbone.config.qk_norm is False and not any("q_norm" in k for k in backbone.state_dict())
-    with pytest.raises(InteropError, match=r"no qk-norm"):
-        export_checkpoint(SHIPPED, "llama.cpp", tmp_path / "shipped.gguf")
-    assert not (tmp_path / "shipped.gguf").exists()
+    assert json.loads((SHIPPED / "config.json").read_text())["backbone"]["qk_norm"] is True
+    assert backbone.config.qk_norm is True and any("q_norm" in k for k in backbone.state_dict())
+    export_checkpoint("shipped:smollm2-135m-instruct", "llama.cpp", tmp_path / "shipped.gguf")
+    names = {t.name for t in GGUFReader(str(tmp_path / "shipped.gguf")).tensors}
+    assert {"blk.0.attn_q_norm.weight", "blk.1.attn_k_norm.weight", "markov_w1.weight", "conf_proj.weight", "d2t"} <= names
 
 
 def test_a_target_that_is_not_a_gguf_and_a_bad_out_are_refused(tmp_path, smollm2, exported):
