@@ -24,15 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specforge.bench.peer_drafter import (
-    PeerDrafterSettings,
-    PeerRun,
-    add_peer_arguments,
-    passed,
-    run_peer_drafter,
-    settings_from,
-    table,
-)
+from specforge.bench import peer_drafter as peer
+from specforge.bench.peer_drafter import PeerDrafterSettings, PeerRun
 from specforge.bench.runner import TEMPERATURE, Report, add_output_arguments, bench_command
 from specforge.errors import SpecforgeError
 
@@ -131,14 +124,14 @@ def _command(args: list[str]) -> str:
 def run_llamacpp_drafter(drafter_dir: str | Path, settings: PeerDrafterSettings, out: str | Path,
                          progress: bool = True) -> dict[str, Any]:
     """Export ``drafter_dir`` for llama.cpp under ``out``, decode with both systems, check them."""
-    return run_peer_drafter(LlamaCppPeer(), drafter_dir, settings, out, progress)
+    return peer.run_peer_drafter(LlamaCppPeer(), drafter_dir, settings, out, progress)
 
 
-REPORT = Report("bench.json", table, table_file="table.md")
+REPORT = Report("bench.json", peer.table, table_file="table.md")
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    add_peer_arguments(p, PeerDrafterSettings())
+    peer.add_peer_arguments(p, PeerDrafterSettings())
     add_output_arguments(p, "runs/bench-llamacpp-drafter")
 
 
@@ -154,7 +147,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     speedups over their own plain decoding.  Needs llama.cpp's tools (`make llama.cpp`).  Exit
     status 1 when a check fails.
     """
-    return run_llamacpp_drafter(args.drafter, settings_from(args), args.out)
+    return run_llamacpp_drafter(args.drafter, peer.settings_from(args), args.out)
 
 
-COMMAND = bench_command("llamacpp-drafter", _arguments, _measure, REPORT, passed=passed)
+COMMAND = bench_command("llamacpp-drafter", _arguments, _measure, REPORT, passed=peer.passed)
