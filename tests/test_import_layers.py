@@ -38,7 +38,9 @@ LEAVES = {"specforge.target", "specforge.target.args", "specforge.target.batch",
           "specforge.target.linear_plan", "specforge.target.bands", "specforge.target.compiled", "specforge.machine",
           "specforge_kernels", "specforge_kernels.varlen_attention",
           # the conversation files a drafter's corpus is read from (toolkit.corpus)
-          "specforge.data", "specforge.data.jsonl", "specforge.data.chat"}
+          "specforge.data", "specforge.data.jsonl", "specforge.data.chat",
+          # what those packages' __init__ imports names on first use with (it imports nothing)
+          "specforge.lazy"}
 # A plug-in's own method: the modules of one unit may import each other.  The packages'
 # registration modules (``__init__``) may import every unit below them.
 UNITS = [
