@@ -162,18 +162,15 @@ def _drafter_gguf(drafter: str, out_dir: Path | None) -> Path:
     or ``shipped:NAME``) exported ``--to llama.cpp`` into ``out_dir`` (or a temporary folder)."""
     import tempfile
 
-    from specforge.interop import export_checkpoint
-    from specforge.plugins import get_host
-    from specforge.toolkit.checkpoints import resolve_checkpoint
+    from specforge.interop import drafter_directory, export_checkpoint
 
     if Path(drafter).is_file():
         return Path(drafter)
-    get_host()  # the plug-ins register the shipped drafters a ``shipped:`` name resolves to
-    source = resolve_checkpoint(drafter)
+    source = drafter_directory(drafter)
     if not (source / "config.json").is_file():
         raise ConfigError([f"--drafter {drafter}: neither a .gguf file nor a drafter checkpoint directory"])
     folder = out_dir if out_dir is not None else Path(tempfile.mkdtemp(prefix="specforge-drafter-"))
-    path = folder / f"{source.name.replace(':', '-')}.gguf"
+    path = folder / f"{source.name}.gguf"
     export_checkpoint(source, "llama.cpp", path)
     return path
 

@@ -61,11 +61,9 @@ def _lineage(train_cfg: dict) -> list[str]:
     ref = (train_cfg.get("drafter") or {}).get("init_from")
     if not ref:
         return []
-    from specforge.plugins import get_host
-    from specforge.toolkit.checkpoints import resolve_checkpoint
+    from specforge.interop import drafter_directory
 
-    get_host()  # registers the shipped drafters
-    start = resolve_checkpoint(ref)
+    start = drafter_directory(ref)
     info = json.loads((start / CONFIG).read_text()).get("drafter", {})
     steps = info.get("shipped_from_step") or info.get("trained_steps")
     card = start / "MODEL_CARD.md"

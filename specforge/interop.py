@@ -27,7 +27,7 @@ from specforge.plugins import get_host
 from specforge.toolkit.checkpoints import resolve_checkpoint
 from specforge.toolkit.formats import CheckpointFormat, InteropError, require_safetensors
 
-__all__ = ["export_checkpoint", "import_checkpoint"]
+__all__ = ["drafter_directory", "export_checkpoint", "import_checkpoint"]
 
 
 def _formats(host: Any) -> dict[str, dict[str, CheckpointFormat]]:
@@ -61,6 +61,13 @@ def _write_file(out: Path, suffix: str, make) -> list[str]:
     with replace_atomically(out) as tmp:
         notes = make(tmp)
     return notes
+
+
+def drafter_directory(ref: str | Path) -> Path:
+    """The directory of a drafter checkpoint named by a path or ``shipped:NAME`` — the shipped
+    drafters are registered by the plug-ins, so they are loaded first."""
+    get_host()
+    return resolve_checkpoint(ref)
 
 
 def export_checkpoint(source: str | Path, to: str, out: str | Path, host: Any = None,

@@ -130,7 +130,6 @@ def bench_engine_variant(
     record.update(summarize(times, counts, ptoks))
     pooled = AcceptanceCounts.pooled(stats)
     record["extra"] = {
-        "gamma": None if engine.drafter is None else int(engine.drafter.gamma),
         "tau": round(pooled.tau, 4) if pooled.rounds else None,
         "verified": pooled.verified,
         "accepted": pooled.accepted,
@@ -344,16 +343,14 @@ def _bench_drafter(system: str, method: str, checkpoint: str | None, target: Tar
     from specforge.bench.llamacpp_drafter import server_flags
     from specforge.bench.llamacpp_peer import _skipped, bench_llamacpp_server
     from specforge.bench.peer_drafter import serving_pipeline
-    from specforge.interop import export_checkpoint
-    from specforge.toolkit.checkpoints import resolve_checkpoint
+    from specforge.interop import drafter_directory, export_checkpoint
 
     if checkpoint is None:
         return [_skipped("draft", 1, f"no {method} drafter given (--drafter {method}=DIR)", system)]
-    get_host()  # the plug-ins register the shipped drafters a ``shipped:`` name resolves to
-    directory = resolve_checkpoint(checkpoint)
+    directory = drafter_directory(checkpoint)
     _, pipeline = serving_pipeline(directory, [method], [], f"bench engine's {system}")
+    gamma = int(pipeline.component("drafter").create().gamma)  # the block llama.cpp drafts whole
     records = []
-    gamma = None
     for engine_target, curve in engines:
         for variant in (method, f"{method}-hw"):
             arm = pipeline
@@ -363,10 +360,8 @@ def _bench_drafter(system: str, method: str, checkpoint: str | None, target: Tar
                 largest = curve.points()[-1][0]
                 arm = _with_section(pipeline, "scheduler", {"name": "hw-prefix",
                                                             "sps": [curve.sps(b) for b in range(1, largest + 1)]})
-            record = bench_engine_variant(engine_target, prompt_ids, variant, 1, max_new_tokens, progress=progress,
-                                          pipeline=arm)
-            records.append(record)
-            gamma = record["extra"].get("gamma", gamma)
+            records.append(bench_engine_variant(engine_target, prompt_ids, variant, 1, max_new_tokens,
+                                                progress=progress, pipeline=arm))
     with tempfile.TemporaryDirectory(prefix="specforge-gguf-") as tmp:
         export = Path(tmp) / f"{method}.gguf"
         export_checkpoint(directory, "llama.cpp", export)

@@ -68,14 +68,14 @@ class LlamaCppPeer:
         return out / f"{method}.gguf"
 
     def run(self, export: Path, method: str, gamma: int, prompt_ids: list[list[int]],
-            settings: PeerDrafterSettings, out: Path, progress: bool) -> PeerRun | dict[str, Any]:
+            settings: PeerDrafterSettings, out: Path, progress: bool, target: str) -> PeerRun | dict[str, Any]:
         import torch
         from tqdm.auto import tqdm
 
         from specforge.llamacpp.server import LlamaServer, ServerError
         from specforge.target.loading import resolve_model
 
-        directory, name = resolve_model("smollm2")
+        directory, name = resolve_model(target)  # a GGUF: the export refused any other target
         gguf = directory / name
         threads = self.threads or torch.get_num_threads()
         context = max(len(p) for p in prompt_ids) + settings.max_new_tokens + 16
@@ -106,7 +106,7 @@ class LlamaCppPeer:
         if drafted == 0:
             return {method: "llama-server drafted no token with the drafter (its log: "
                             f"{out / f'llama-server-{method}.log'})"}
-        return PeerRun(version=self.check(), plain_tokens=plain, drafter_tokens=spec, plain_tok_s=plain_rate,
+        return PeerRun(plain_tokens=plain, drafter_tokens=spec, plain_tok_s=plain_rate,
                        drafter_tok_s=spec_rate, acceptance=accepted / drafted, drafted=drafted, accepted=accepted,
                        per_prompt=counts, commands=commands)
 

@@ -125,18 +125,18 @@ def bench_llamacpp_server(gguf: Path, prompt_ids: Sequence[Sequence[int]], concu
             try:
                 with LlamaServer(gguf, slots=c, context=context, threads=threads or torch.get_num_threads(),
                                  extra=("-fa", "auto", "-kvu", *flags), log=log) as server:
-                    drafts = [0, 0]  # drafted, accepted: over the timed rounds
+                    drafts = [0, 0]  # drafted, accepted
 
                     def one(i: int, n: int) -> int:
                         reply = server.complete(prompt_ids[i], n)
-                        if n == max_new_tokens:
-                            timings = reply.get("timings", {})
-                            drafts[0] += int(timings.get("draft_n", 0))
-                            drafts[1] += int(timings.get("draft_n_accepted", 0))
+                        timings = reply.get("timings", {})
+                        drafts[0] += int(timings.get("draft_n", 0))
+                        drafts[1] += int(timings.get("draft_n_accepted", 0))
                         return int(reply["tokens_predicted"])
 
                     with ThreadPoolExecutor(c) as pool:
                         list(pool.map(lambda i: one(i, 8), range(min(c, len(prompt_ids)))))  # warm-up
+                        drafts[:] = [0, 0]  # counted over the timed rounds only
                         times, counts, ptoks = [], [], 0
                         for indices in tqdm(rounds_for(len(prompt_ids), c, min_rounds),
                                             desc=f"llama-server {variant} c={c}", unit="round", disable=not progress,

@@ -64,7 +64,6 @@ class PeerRun:
     """What a peer measured: its tokens per prompt plain and with the drafter, its speeds, and its
     acceptance statistic (overall and, where it reports per request, per prompt)."""
 
-    version: str
     plain_tokens: list[list[int]]
     drafter_tokens: list[list[int]]
     plain_tok_s: float
@@ -93,8 +92,9 @@ class Peer(Protocol):
         """Where the exported drafter goes under ``out``."""
 
     def run(self, export: Path, method: str, gamma: int, prompt_ids: list[list[int]],
-            settings: PeerDrafterSettings, out: Path, progress: bool) -> PeerRun | dict[str, Any]:
-        """Decode every prompt plainly and with the drafter; a dict says what failed instead."""
+            settings: PeerDrafterSettings, out: Path, progress: bool, target: str) -> PeerRun | dict[str, Any]:
+        """Decode every prompt plainly and with the drafter, the target being ``target`` (the
+        pipeline's ``target.model``); a dict says what failed instead."""
 
 
 def serving_pipeline(drafter_dir: Path, methods: Sequence[str], overrides: Sequence[str],
@@ -167,15 +167,11 @@ def run_peer_drafter(peer: Peer, drafter_dir: str | Path, settings: PeerDrafterS
     from specforge.config import EngineConfig
     from specforge.engine import Engine
     from specforge.evalsets import apply_chat_template, select_prompts
-    from specforge.interop import export_checkpoint
+    from specforge.interop import drafter_directory, export_checkpoint
     from specforge.machine import machine
     from specforge.target import TargetModel
-    from specforge.toolkit.checkpoints import resolve_checkpoint
 
-    from specforge.plugins import get_host
-
-    get_host()  # the plug-ins register the shipped drafters a ``shipped:`` name resolves to
-    drafter_dir, out = resolve_checkpoint(drafter_dir), Path(out)
+    drafter_dir, out = drafter_directory(drafter_dir), Path(out)
     method, pipeline = serving_pipeline(drafter_dir, list(peer.methods),
                                         [*peer.pipeline_overrides, *settings.overrides], peer.name)
     version = peer.check()  # a missing peer says how to install it, before any work
@@ -202,7 +198,7 @@ def run_peer_drafter(peer: Peer, drafter_dir: str | Path, settings: PeerDrafterS
     pooled = AcceptanceCounts.pooled(o.stats for o in ours_spec)
 
     say(f"{peer.name} {version}: plain and {method} from {export}")
-    theirs = peer.run(export, method, gamma, prompt_ids, settings, out, progress)
+    theirs = peer.run(export, method, gamma, prompt_ids, settings, out, progress, pipeline.target.model)
     result: dict[str, Any] = {
         "machine": machine(), "peer": peer.name, "peer_version": version, "drafter": str(drafter_dir),
         "method": method, "gamma": gamma, "export": str(export), "export_notes": notes,
@@ -269,7 +265,7 @@ def table(result: dict[str, Any]) -> str:
               "|---|---:|---:|---:|---:|",
               f"| specforge | {ours['plain_tok_s']:.1f} | {ours['drafter_tok_s']:.1f} | {ours['speedup']:.2f}× | "
               f"{ours['acceptance']:.3f} |",
-              f"| {result['peer']} {v['version']} | {v['plain_tok_s']:.1f} | {v['drafter_tok_s']:.1f} | "
+              f"| {result['peer']} {result['peer_version']} | {v['plain_tok_s']:.1f} | {v['drafter_tok_s']:.1f} | "
               f"{v['speedup']:.2f}× | {v['acceptance']:.3f} |", ""]
     if c.get("per_set"):
         lines += [f"| eval set | specforge {stat} | {result['peer']} {stat} | ratio |", "|---|---:|---:|---:|"]

@@ -59,21 +59,19 @@ class VllmPeer:
         self.dtype = dtype
         # both targets in one dtype, on the torch backend (vLLM runs the dequantized weights)
         self.pipeline_overrides = (f"target.dtype={dtype}", "target.backend=torch")
-        self._python: Any = None
 
     def check(self) -> str:
         from specforge.bench.vllm_client import find_vllm_python, vllm_version
 
-        self._python = find_vllm_python()  # VllmNotInstalled says how to install it
-        return vllm_version(self._python)
+        return vllm_version(find_vllm_python())  # VllmNotInstalled says how to install it
 
     def export_path(self, method: str, out: Path) -> Path:
         return out / f"{method}-vllm"
 
     def run(self, export: Path, method: str, gamma: int, prompt_ids: list[list[int]],
-            settings: PeerDrafterSettings, out: Path, progress: bool) -> PeerRun | dict[str, Any]:
+            settings: PeerDrafterSettings, out: Path, progress: bool, target: str) -> PeerRun | dict[str, Any]:
         from specforge.acceptance import tau
-        from specforge.bench.vllm_client import bench_vllm, vllm_version
+        from specforge.bench.vllm_client import bench_vllm
 
         variants = [{"name": "plain"},
                     {"name": method, "speculative_config": {"method": VLLM_METHODS[method],
@@ -90,7 +88,7 @@ class VllmPeer:
         tokens = {v: {o["prompt"]: o["tokens"] for o in r["outputs"]} for v, r in records.items()}
         counters = records[method]["extra"].get("spec_decode") or {}
         n = len(prompt_ids)
-        return PeerRun(version=vllm_version(self._python), plain_tokens=[tokens["plain"][i] for i in range(n)],
+        return PeerRun(plain_tokens=[tokens["plain"][i] for i in range(n)],
                        drafter_tokens=[tokens[method][i] for i in range(n)],
                        plain_tok_s=records["plain"]["tok_s"], drafter_tok_s=records[method]["tok_s"],
                        acceptance=tau(counters.get("accepted_tokens", 0), counters.get("drafts", 0)),
