@@ -257,6 +257,13 @@ def _split(n: int, k: int) -> list[int]:
     return [n // k + (i < n % k) for i in range(k)]
 
 
+def _unstated(laws: list[list[tuple[list[int], list[float]]]] | None) -> Counter[int]:
+    """Positions (1 = the first emitted token) at which a returned law has a NaN or infinite
+    probability, counted over the requests."""
+    return Counter(k + 1 for law in laws or [] for k, (_, probs) in enumerate(law)
+                   if not all(math.isfinite(p) for p in probs))
+
+
 def _draw(engine: SamplingEngine, prompts: Sequence[Sequence[int]], arm: Arm, seed: int, horizon: int,
           progress: Callable[[int], None] | None) -> tuple[dict[int, list[list[int]]], Sampled]:
     """``arm.n`` requests split over the prompts; request j of prompt i seeded with
@@ -300,6 +307,17 @@ def check_arm(engine: SamplingEngine, reference: Reference | None, prompts: Sequ
     try:
         draws, sampled = _draw(engine, prompts, arm, seed, horizon, progress)
         result.drafted, result.accepted = sampled.drafted, sampled.accepted
+        broken = _unstated(sampled.laws)
+        if broken:
+            # a NaN or infinite probability is a law the engine cannot state, not one to test
+            fault = (f"{engine.name} returned non-finite probabilities (NaN or inf) as the law of "
+                     f"{sum(broken.values())} of its {sum(map(len, sampled.tokens))} tokens at "
+                     f"T = {arm.temperature:g} (by position: {dict(sorted(broken.items()))})")
+            if reference is None and baseline is None:
+                raise EngineFault(fault + ": the law it drew them from is unknown, so they cannot be tested")
+            result.fault = fault + ("; its draws are tested against the reference alone" if reference is not None
+                                    else "; its draws are compared with its own draws with speculation off instead")
+            sampled.laws = None
         tests: dict[str, FitResult] = {}
         n = sum(len(r) for r in draws.values())
         if reference is not None:

@@ -607,10 +607,13 @@ def _run_case(case: EngineCase, arms: Sequence[Arm], level: float, seed: int, th
         from specforge.bench.vllm_client import ngram_variant
 
         engine = VllmEngine(case.name, ngram_variant(3, 3, 1)["speculative_config"], log=log)
+        # started only if an arm's laws come back unusable (vLLM 0.32 CPU: NaN processed
+        # log-probabilities at the tokens of a verify pass), for the two-sample test instead
+        plain = VllmEngine(f"{case.name} (speculation off)", None, log=log)
         report.command = engine.command
-        with engine:
+        with engine, plain:
             prompts = [engine.tokenize(p) for p in PROMPTS]
-            report.arms = run_arms(engine, None, prompts, arms, level, seed, progress=progress)
+            report.arms = run_arms(engine, None, prompts, arms, level, seed, baseline=plain, progress=progress)
     else:
         gguf = _target_gguf()
         flags = list(case.flags)

@@ -10,6 +10,7 @@ gone once the block ends with an error.  Slow: real engine cases end to end at a
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -116,6 +117,16 @@ def test_without_logits_the_engine_is_compared_with_itself_with_speculation_off(
     assert over.status == "FAILED"
 
 
+def test_an_engine_whose_law_is_nan_is_compared_with_itself_with_speculation_off():
+    # vLLM 0.32 CPU returns NaN processed log-probabilities at the tokens of a verify pass: the
+    # arm falls back to the two-sample test, and the report says why
+    plain = SimulatedEngine("simulated-plain", gamma=0)
+    result = check_arm(_NonFinite(), None, PROMPTS, _arm(3_000), LEVEL, baseline=plain)
+    assert result.status == "certified" and set(result.tests) == {"two-sample first token", "two-sample sequence"}
+    assert "the law of 9000 of its 12000 tokens" in result.fault
+    assert "(by position: {2: 3000, 3: 3000, 4: 3000})" in result.fault and "speculation off instead" in result.fault
+
+
 class _Short:
     """An engine that drops the last token of every other request."""
 
@@ -135,9 +146,22 @@ class _Lawless:
         return SimulatedEngine().sample(prompt, n_tokens, temperature, seeds)
 
 
+class _NonFinite:
+    """An engine whose stated law is NaN after the first token (vLLM 0.32 CPU's processed
+    log-probabilities under speculation)."""
+
+    name, returns_laws = "nan-law-engine", True
+
+    def sample(self, prompt, n_tokens, temperature, seeds, progress=None, claimed=None):
+        got = SimulatedEngine().sample(prompt, n_tokens, temperature, seeds)
+        law = [([0, 1], [0.5, 0.5])] + [([0, 1], [math.nan, math.nan])] * (n_tokens - 1)
+        return Sampled(got.tokens, got.drafted, got.accepted, [law for _ in got.tokens])
+
+
 @pytest.mark.parametrize("engine, reference, words", [
     (_Short(), SimulatedEngine().reference, "with 3 tokens where 4 were asked"),
     (_Lawless(), None, "no law"),
+    (_NonFinite(), None, "non-finite probabilities (NaN or inf) as the law of 900 of its 1200 tokens"),
     (SimulatedEngine("no-logits"), None, "returns no logits"),
 ])
 def test_an_engine_that_does_not_deliver_is_named_and_never_a_pass(engine, reference, words):
