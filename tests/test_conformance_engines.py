@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from specforge_conformance.blackbox import (Arm, CaseReport, EngineFault, EngineReport, Sampled, check_arm,
-                                            conditional_fit, run_level, sized_control, two_sample_fit)
+                                            conditional_fit, default_arms, run_arms, run_level, sized_control,
+                                            two_sample_fit)
 from specforge_conformance.engines import ENGINES, LlamaServerEngine, SimulatedEngine, run_engines
 
 PROMPTS = [[3], [7], [11]]
@@ -115,6 +116,13 @@ def test_without_logits_the_engine_is_compared_with_itself_with_speculation_off(
     assert result.detectable["two-sample first token"] > one.detectable["first token"] * 1.3
     over = check_arm(SimulatedEngine("over", over=0.03), None, PROMPTS, _arm(OVER_N), LEVEL, baseline=plain)
     assert over.status == "FAILED"
+
+
+def test_a_control_without_a_reference_is_drawn_as_often_as_the_largest_clean_arm():
+    # no reference: its power cannot be predicted before drawing (vLLM's control at N/4 survived)
+    spec, plain = SimulatedEngine(), SimulatedEngine("simulated-plain", gamma=0)
+    results = run_arms(spec, None, PROMPTS, default_arms(4_000), LEVEL, baseline=plain)
+    assert [r.arm.n for r in results] == [4_000, 2_000, 4_000]
 
 
 def test_an_engine_whose_law_is_nan_is_compared_with_itself_with_speculation_off():
