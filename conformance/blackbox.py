@@ -46,7 +46,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from specforge_conformance.stats import (DETECT, FitResult, chi2_sf, detectable_tv, goodness_of_fit, merge_cells,
+# conditional_fit lives with the other statistics (the white-box tier's mixed cases sum per-setting
+# chi-squares with it too); it stays importable from here
+from specforge_conformance.stats import (DETECT, FitResult, chi2_sf, conditional_fit, detectable_tv, merge_cells,
                                          noncentrality, pit, power, uniformity_fit)
 
 __all__ = ["ALPHA", "HORIZON", "MIN_GROUP", "Arm", "ArmResult", "CaseReport", "EngineFault", "EngineReport",
@@ -121,30 +123,6 @@ def default_arms(n: int, control_n: int | None = None, other_temperature: float 
 
 
 # --- statistics ---------------------------------------------------------------------------------
-
-
-def conditional_fit(groups: Iterable[tuple[Tensor, Tensor]]) -> FitResult:
-    """One chi-square over several conditional laws: each group is (counts ``[C]``, law ``[C]``)
-    of the draws that share a condition (a prompt, a prefix); each is tested by
-    :func:`goodness_of_fit` and the statistics and degrees of freedom are summed.  ``n`` counts
-    the draws of the groups that had two cells or more; ``tv`` is their mean total variation
-    weighted by draws.  A deviation whose draw-weighted mean TV is t gives λ ≥ 4·n·t²
-    (Cauchy–Schwarz within a group, Jensen across them): the information is the one of
-    :func:`goodness_of_fit`, 4·n."""
-    statistic, df, n, cells, tv, impossible = 0.0, 0, 0, 0, 0.0, 0
-    for counts, probs in groups:
-        fit = goodness_of_fit(counts, probs)
-        impossible += fit.impossible
-        if fit.cells < 2:
-            continue
-        statistic += fit.statistic
-        df += fit.cells - 1
-        cells += fit.cells
-        n += fit.n
-        tv += fit.tv * fit.n
-    if df == 0:
-        return FitResult(n, cells, 0.0, 1, 1.0, 0.0, impossible, 0.0)
-    return FitResult(n, cells, statistic, df, chi2_sf(statistic, df), tv / n, impossible)
 
 
 def two_sample_fit(a: Counter, b: Counter) -> FitResult:

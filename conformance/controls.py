@@ -12,6 +12,8 @@ speculative-decoding code has made, and :data:`CONTROL_CASES` names the pipeline
 run: the smallest one that contains the bug.  The *subtle* controls (:data:`SUBTLE`) are small
 versions of plausible third-party bugs, one per bug class; each is run in the probe case of its
 kind (:mod:`specforge_conformance.probes`) and :data:`CLAIMS` names the statistic meant to catch it.
+The two that misroute per-request sampling settings (:data:`MIXED`) run in their kind's *mixed*
+probe, whose batches hold requests at several settings: in a batch of one setting they are exact.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ __all__ = [
     "BatchSharedVerifier",
     "BonusDroppedVerifier",
     "CoolDrafter",
+    "MIXED",
     "NearOneVerifier",
+    "OneRowSettingsVerifier",
     "OverAcceptVerifier",
     "PeekNextScheduler",
     "ResidualOffByOneVerifier",
@@ -50,6 +54,7 @@ __all__ = [
     "ResampleTargetVerifier",
     "SampledTokenConfidence",
     "SharedUniformVerifier",
+    "SwappedSettingsVerifier",
     "TreeLateSiblingVerifier",
     "TreeLeakyResidualVerifier",
     "TreeRejectedSubtreeVerifier",
@@ -226,6 +231,43 @@ class BatchSharedVerifier(_RejectionMechanics):
         return torch.where(n == inputs.lengths, neighbour, own)
 
 
+class _MisroutedSettings(RejectionVerifier):
+    """The shipped rejection rule handed the batch's per-request settings routed to the wrong
+    rows (:meth:`route`) — the class of vllm#55005, where the settings of draft positions were
+    never written and belonged to nobody.  Every row is still verified by a lossless rule, under
+    settings that are some request's: only a batch whose rows differ shows it."""
+
+    def route(self, rows: int) -> list[int]:
+        """Whose settings each row of a batch of ``rows`` is warped with."""
+        raise NotImplementedError
+
+    def verify(self, target_logits, draft_tokens, draft_probs, lengths, sampling, uniforms, parents=None):
+        return super().verify(target_logits, draft_tokens, draft_probs, lengths,
+                              sampling.rows(self.route(len(sampling))), uniforms, parents)
+
+
+class OneRowSettingsVerifier(_MisroutedSettings):
+    """Warps every row with the first row's settings: one temperature, top-k and top-p for the
+    whole batch, read from its first request (what an engine written for homogeneous batches
+    does)."""
+
+    control = ("one-row-settings", "warps every row with the settings of the batch's first row")
+
+    def route(self, rows: int) -> list[int]:
+        return [0] * rows
+
+
+class SwappedSettingsVerifier(_MisroutedSettings):
+    """Warps the batch's first two rows each with the other's settings (an off-by-one when a
+    finished request's slot is refilled and the settings tensor is permuted apart from the
+    logits); every other row is right."""
+
+    control = ("swapped-settings", "warps rows 0 and 1 each with the other's settings")
+
+    def route(self, rows: int) -> list[int]:
+        return [1, 0, *range(2, rows)] if rows >= 2 else list(range(rows))
+
+
 # --- drafters ---------------------------------------------------------------------------------
 
 
@@ -376,15 +418,21 @@ SUBTLE: dict[str, tuple[ComponentKind, dict]] = {
     "tree-sibling-echo": (ComponentKind.VERIFIER, {}),
     "tree-late-sibling": (ComponentKind.VERIFIER, {}),
     "tree-leaky-residual": (ComponentKind.VERIFIER, {}),
+    # Misrouted settings: run in the verifier's mixed probe (MIXED).
+    "one-row-settings": (ComponentKind.VERIFIER, {}),
+    "swapped-settings": (ComponentKind.VERIFIER, {}),
 }
 # A subtle control that runs in another probe case of its kind than the first: the drafter of that
 # case (an error just below p/q = 1 lives where the tilted shadow puts its drafts).
 SUBTLE_PROBE = {"near-one": NEAR_ONE}
+# The subtle controls that run in the mixed probe of their kind (requests at several settings).
+MIXED = frozenset({"one-row-settings", "swapped-settings"})
 # The statistic each subtle control is meant to be caught by.
 CLAIMS = {"cool-drafter": "draft law", "residual-off-by-one": "emission", "over-accept": "acceptance",
           "near-one": "acceptance",
           "batch-shared": "cross-request", "peek-next": "selection", "tree-sibling-echo": "acceptance",
-          "tree-late-sibling": "acceptance", "tree-leaky-residual": "emission"}
+          "tree-late-sibling": "acceptance", "tree-leaky-residual": "emission",
+          "one-row-settings": "emission", "swapped-settings": "emission"}
 
 
 # --- tree verifiers ---------------------------------------------------------------------------
@@ -529,8 +577,8 @@ class TreeLeakyResidualVerifier(_TreeWalkControl):
 # Each names itself and its bug (``control``), and its config where it has parameters.
 _VERIFIERS = (ResampleTargetVerifier, SharedUniformVerifier, BonusWrongRowVerifier, BonusDroppedVerifier,
               ResidualOffByOneVerifier, OverAcceptVerifier, NearOneVerifier, BatchSharedVerifier,
-              TreeStaleResidualVerifier, TreeRejectedSubtreeVerifier, TreeSiblingEchoVerifier, TreeLateSiblingVerifier,
-              TreeLeakyResidualVerifier)
+              OneRowSettingsVerifier, SwappedSettingsVerifier, TreeStaleResidualVerifier, TreeRejectedSubtreeVerifier,
+              TreeSiblingEchoVerifier, TreeLateSiblingVerifier, TreeLeakyResidualVerifier)
 
 
 @hookimpl

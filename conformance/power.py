@@ -42,8 +42,9 @@ def control_host(host: PluginHost | None = None) -> PluginHost:
 
 
 def control_case(name: str, n: int | None = None, seed: int = 0, host: PluginHost | None = None) -> Case:
-    """The case a control runs in (a subtle control: its kind's first probe case, or the one
-    :data:`~specforge_conformance.controls.SUBTLE_PROBE` names, with the control in its slot, at
+    """The case a control runs in (a subtle control: its kind's first probe case, the one
+    :data:`~specforge_conformance.controls.SUBTLE_PROBE` names, or its mixed probe for one of
+    :data:`~specforge_conformance.controls.MIXED`, with the control in its slot, at
     the fast tier's N for that kind; the others at N = 20,000), seeded with ``seed``."""
     if name in controls.SUBTLE:
         from specforge_conformance.suite import TIERS
@@ -56,6 +57,8 @@ def control_case(name: str, n: int | None = None, seed: int = 0, host: PluginHos
         trees = kind is ComponentKind.VERIFIER and host.get(kind, name).metadata.trees
         case = next((c for c in cases if c.pipeline["drafter"] == controls.SUBTLE_PROBE.get(name) or (
             trees and host.get(ComponentKind.DRAFTER, c.pipeline["drafter"][0]).metadata.trees)), cases[0])
+        if name in controls.MIXED:  # a control that misroutes per-request settings: the mixed probe
+            case = next(c for c in cases if c.mix)
         pipeline = {**case.pipeline, kind.value: (name, params)}
         return replace(case, pipeline=pipeline, seed=seed)
     spec = dict(controls.CONTROL_CASES[name])
@@ -108,9 +111,9 @@ def run_controls(names: Iterable[str] | None = None, seeds: int = 20, n: int | N
         runs = [_seed_tests(r) for r in (resume or {}).get(name, [])][:seeds]
         if runs and progress:
             progress(f"{name}: {len(runs)} of {seeds} seeds from the earlier run")
-        law = base.law() if len(runs) < seeds else None
+        laws = base.laws() if len(runs) < seeds else None
         for s in range(len(runs), seeds):
-            result = run_case(replace(base, seed=base.seed + s * base.n * 11), host, law)
+            result = run_case(replace(base, seed=base.seed + s * base.n * 11), host, laws)
             runs.append(result.tests)
             caught = [k for k, f in result.tests.items() if f.rejects(level)]
             if progress:

@@ -17,9 +17,14 @@ verifier   ``shadow`` with a per-position spike (long accepted prefixes, rejecti
            four top-k children of the anchor and two under each (every sibling's acceptance
            strictly between 0 and 1, up to three rejected siblings), and three i.i.d. children
            with two under each (repeated tokens among siblings, sampled q); a verifier that
-           declares its rule is replayed there node by node
+           declares its rule is replayed there node by node; a verifier that samples also meets
+           the spiky chain as a *mixed* case (:data:`PROBE_MIX`: greedy rows, T = 1 rows and
+           T = 0.7 top-k 3 top-p 0.8 rows in every batch), each row replayed under its own
+           settings
 drafter    the drafter with ``rejection`` and ``fixed`` at T = 1, and at T = 0.8 with top-p 0.9
-           (its reported q checked slot by slot by the draft-law statistic)
+           (its reported q checked slot by slot by the draft-law statistic); a drafter that
+           samples also in a mixed case (:data:`PROBE_MIX`), where it must warp each row with
+           that row's settings, or report the law it did use
 confidence ``random`` (sequential, peaked) → the estimator → ``probe-median``: a slot is verified
            when its confidence is at least the batch's median there — so a confidence that reads
            x_k decides on x_k
@@ -53,7 +58,7 @@ from specforge_conformance.exact import FAMILIES
 from specforge_conformance.harness import CASE_THREADS, Case, pilot, shares
 from specforge_conformance.stats import FitResult, detectable_tv, merge_cells
 
-__all__ = ["PROBE_ONLY", "MedianScheduler", "PrevTokenConfidence", "probe_cases", "size_case"]
+__all__ = ["PROBE_MIX", "PROBE_ONLY", "MedianScheduler", "PrevTokenConfidence", "probe_cases", "size_case"]
 
 PROBE_ONLY = frozenset({"probe-prev", "probe-median"})  # suite parts, never certified themselves
 HORIZON = 4
@@ -144,6 +149,11 @@ _SEQUENTIAL = ("random", {"gamma": 3, "sharpness": 2.0})
 # where p > q), so that tree tests the walk's output law more than its individual decisions.
 _TREES = (("random-tree", {"branching": [4, 2], "children": "top", "source": "target"}),
           ("random-tree", {"branching": [3, 2]}))
+# The settings of the mixed probes' requests: a greedy row beside sampling rows in one round (where
+# a one-hot law can leak into a sampling row, or a sampling law into a greedy one), a plain T = 1
+# row, and a truncated one whose top-k and top-p remove tokens the others keep — so a row warped
+# with another row's settings draws tokens its own law rules out, and fails at once.
+PROBE_MIX = ((1.0, 0, 1.0), (0.0, 0, 1.0), (0.7, 3, 0.8))
 
 
 def _pipeline(**slots) -> dict:
@@ -177,17 +187,24 @@ def probe_cases(host: PluginHost, kind: ComponentKind, name: str, n: int, seed: 
             cases += [Case(pipeline=_pipeline(drafter=tree, verifier=mine), batch=256) for tree in trees]
         if meta.greedy_only:
             cases = [replace(c, temperature=0.0) for c in cases]
+        else:  # the batches a server runs: rows of different settings, each verified under its own
+            cases.append(_mixed(Case(pipeline=_pipeline(drafter=_SPIKY, verifier=mine), batch=256)))
         # the chains and the top-k tree at the tier's N (their decisions carry the information), the
         # iid tree at half of it (its output law is most of what it tests)
-        return [_finish(c, n // 2 if c.pipeline["drafter"] == _TREES[1] else n, seed, "verifier") for c in cases]
+        # (a mixed case's own target and seeds: its T = 1 rows must not replay the spiky case's requests)
+        return [_finish(c, n // 2 if c.pipeline["drafter"] == _TREES[1] else n, seed,
+                        "verifier mixed" if c.mix else "verifier") for c in cases]
     if kind is ComponentKind.DRAFTER:
         if name in SUITE_DRAFTERS:
             return []
         pipeline = _pipeline(drafter=mine)
         if meta.uses_correction_head:
             pipeline["correction_head"] = ("none", {})
-        return [_finish(Case(pipeline=pipeline, batch=256), n, seed, "drafter"),
-                _finish(Case(pipeline=pipeline, batch=256, temperature=0.8, top_p=0.9), n, seed + 1, "drafter")]
+        cases = [_finish(Case(pipeline=pipeline, batch=256), n, seed, "drafter"),
+                 _finish(Case(pipeline=pipeline, batch=256, temperature=0.8, top_p=0.9), n, seed + 1, "drafter")]
+        if not meta.deterministic:  # a drafter that samples may warp its laws: with each row's own settings?
+            cases.append(_finish(_mixed(Case(pipeline=pipeline, batch=256)), n, seed + 2, "drafter"))
+        return cases
     if kind is ComponentKind.CONFIDENCE:
         if not meta.pre_token:
             return []
@@ -205,6 +222,12 @@ def probe_cases(host: PluginHost, kind: ComponentKind, name: str, n: int, seed: 
                  for e in (meta.examples or ({},))]
         return [_most_selective(cases, host)]
     return []
+
+
+def _mixed(case: Case) -> Case:
+    """``case`` with its requests at the settings of :data:`PROBE_MIX`."""
+    t, k, p = PROBE_MIX[0]
+    return replace(case, mix=PROBE_MIX, temperature=t, top_k=k, top_p=p)
 
 
 def _most_selective(cases: list[Case], host: PluginHost) -> Case:
@@ -253,7 +276,7 @@ def _finish(case: Case, n: int, seed: int, role: str) -> Case:
                             target_seed=(base + attempt) % 10_000, seed=(base * 7919 + attempt) % 2**40,
                             prompt=(3, 5, 7, 3, 5), threads=CASE_THREADS)
         candidate = size_case(candidate, n)
-        if candidate.law().well_conditioned:
+        if candidate.well_conditioned:
             return candidate
     raise RuntimeError(f"no well-conditioned target found for the probe of {case.combination.label()}")
 
@@ -263,16 +286,26 @@ def size_case(case: Case, n: int, horizon: int | None = None) -> Case:
 
     The horizon leaves room for a whole block and its bonus in the first round (γ + 1, at most 4);
     among the vocabularies whose V^horizon cells stay within :data:`MAX_CELLS`, the one whose
-    sequence statistic has the smallest worst-case minimum detectable TV at N; N is the tier's,
-    doubled when even that one exceeds :data:`TARGET_TV`."""
+    sequence statistic has the smallest worst-case minimum detectable TV at N (a mixed case: that of
+    its weakest sampling setting, at its share of N); N is the tier's, doubled when even that one
+    exceeds :data:`TARGET_TV` — but not for a mixed case, whose per-setting sequence power is
+    stated in the report rather than bought (the per-row mechanism statistics carry its power)."""
     gamma = int(dict(case.pipeline["drafter"][1]).get("gamma", 3)) if case.pipeline.get("drafter") else 1
     h = horizon or max(2, min(HORIZON, gamma + 1))
     sized = [replace(case, horizon=h, vocab=v, n=n) for v in VOCABS if v ** h <= MAX_CELLS]
-    scored = [(sequence_detectable(c.law().probs, n), c) for c in sized if c.law().well_conditioned]
+    scored = [(_sequence_mde(c, n), c) for c in sized if c.well_conditioned]
     if not scored:
         return sized[0]  # the caller filters ill-conditioned cases
     mde, best = min(scored, key=lambda t: t[0])
-    return best if mde <= TARGET_TV else replace(best, n=2 * n)
+    return best if mde <= TARGET_TV or best.mix else replace(best, n=2 * n)
+
+
+def _sequence_mde(case: Case, n: int) -> float:
+    """:func:`sequence_detectable` of ``case`` at N = ``n``: of its weakest setting that samples,
+    at that setting's share of N (a greedy setting's point mass has no chi-square)."""
+    share = n // len(case.settings)
+    spread = [law.probs for law in case.laws() if int((law.probs > 0).sum()) > 1]
+    return max((sequence_detectable(p, share) for p in spread), default=0.0)
 
 
 def sequence_detectable(law: Tensor, n: int, alpha: float = 1e-6 / 120) -> float:

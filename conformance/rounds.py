@@ -27,12 +27,17 @@ few numbers per slot (never the tensors):
   uniform on the unit square.
 
 All PIT values are exactly U[0, 1) for a correct pipeline, whatever the laws are, because each is
-the transform of a draw under the very law it was drawn from, given everything before it.
+the transform of a draw under the very law it was drawn from, given everything before it.  In a
+mixed case (requests at different sampling settings in one batch) every row is replayed under its
+own settings, and every statistic keeps the settings apart — each stratum above is split by the
+setting of the row (of the two rows, for cross-request) — so that a rule that is wrong for one
+setting only (the greedy rows, the top-k rows) is not diluted by the others.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,7 +46,7 @@ from torch import Tensor
 from specforge.sampling import warp
 from specforge_conformance.stats import FitResult, bernoulli_fit, pair_fit, pit, square_fit, uniformity_fit
 
-__all__ = ["RoundRecorder", "declares_law"]
+__all__ = ["SETTING_STRIDE", "RoundRecorder", "declares_law"]
 
 BONUS = 1000  # emission strata: depth·SIBLINGS + rejected siblings there, or BONUS + depth for a bonus token
 SIBLINGS = 4  # counts of rejected siblings kept apart in emission strata; more share the last one
@@ -50,6 +55,7 @@ SIBLINGS = 4  # counts of rejected siblings kept apart in emission strata; more 
 SIBLING_STRATA = 3
 WALK_STRATA = 4  # walk-pair strata: the index of the pair's first event, the last one shared
 EMITTED = -1  # cross-request stratum of emitted tokens (draft tokens: their slot k)
+SETTING_STRIDE = 10_000  # a row at setting s has its strata moved by s·SETTING_STRIDE (apart from all others)
 
 
 def declares_law(verifier: Any) -> bool:
@@ -82,10 +88,13 @@ class _Stream:
 
 
 class RoundRecorder:
-    """Observes rounds; :meth:`fits` gives the mechanism statistics of everything seen."""
+    """Observes rounds; :meth:`fits` gives the mechanism statistics of everything seen.
+    ``settings``: the (temperature, top-k, top-p) the case's requests use, by which the strata are
+    split (a row at none of them gets one stratum more)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, settings: Sequence[tuple[float, int, float]] = ((1.0, 0, 1.0),)) -> None:
         self.gen = torch.Generator().manual_seed(seed)  # the PITs' own randomisation
+        self.menu = torch.tensor(settings, dtype=torch.float64).reshape(-1, 3)
         self.draft = _Stream()
         self.selection = _Stream()
         self.emission = _Stream()
@@ -103,6 +112,13 @@ class RoundRecorder:
     def _u(self, n: int) -> Tensor:
         return torch.rand(n, generator=self.gen, dtype=torch.float64)
 
+    def _setting(self, sampling) -> Tensor:
+        """``[R]`` the index of each row's settings among the case's (their count: none of them)."""
+        rows = torch.stack([sampling.temperature.to(torch.float64), sampling.top_k.to(torch.float64),
+                            sampling.top_p.to(torch.float64)], 1)
+        hit = (rows[:, None, :] == self.menu[None]).all(-1)
+        return torch.where(hit.any(1), hit.to(torch.long).argmax(1), len(self.menu)) * SETTING_STRIDE
+
     # -- observers -----------------------------------------------------------------------------
 
     def wrap(self, drafter: Any, verifier: Any) -> tuple[Any, Any]:
@@ -116,38 +132,42 @@ class RoundRecorder:
         g = block.tokens.shape[1]
         drafted = torch.arange(g)[None, :] < torch.minimum(block.lengths.to(torch.long), ctx.max_tokens)[:, None]
         rows, cols = drafted.nonzero(as_tuple=True)
-        self.draft.add(block.probs[rows, cols], block.tokens[rows, cols], cols, self._u(rows.numel()))
+        setting = self._setting(ctx.sampling)
+        self.draft.add(block.probs[rows, cols], block.tokens[rows, cols], cols + setting[rows], self._u(rows.numel()))
         for k in range(g):
-            self._pair(block.probs[:, k], block.tokens[:, k], drafted[:, k], k)
+            self._pair(block.probs[:, k], block.tokens[:, k], drafted[:, k], k, setting)
 
-    def _pair(self, law: Tensor, x: Tensor, live: Tensor, stratum: int) -> None:
-        """Pairs (2j, 2j+1) of rows whose draw is real, as id-ordered PITs."""
+    def _pair(self, law: Tensor, x: Tensor, live: Tensor, stratum: int, setting: Tensor) -> None:
+        """Pairs (2j, 2j+1) of rows whose draw is real, as id-ordered PITs (stratified by the
+        settings of both rows too)."""
         r = (x.shape[0] // 2) * 2
         both = live[0:r:2] & live[1:r:2]
         if not bool(both.any()):
             return
         v, _ = pit(law[:r], x[:r], self._u(r), by_id=True)
         self.pairs.append(torch.stack([v[0:r:2][both], v[1:r:2][both]], 1))
-        self.pair_strata.append(torch.full((int(both.sum()),), stratum, dtype=torch.long))
+        pair = setting[0:r:2] * (len(self.menu) + 1) + setting[1:r:2]
+        self.pair_strata.append(stratum + pair[both])
 
     def on_verify(self, verifier, logits: Tensor, tokens: Tensor, probs: Tensor | None, lengths: Tensor,
                   sampling, out, parents: Tensor | None = None) -> None:
         g = tokens.shape[1]
         lengths = lengths.to(torch.long)
         self.tree_rounds += parents is not None
+        setting = self._setting(sampling)
         if probs is not None and g:
             rows, cols = (torch.arange(g)[None, :] < lengths[:, None]).nonzero(as_tuple=True)
-            self.selection.add(probs[rows, cols], tokens[rows, cols], cols, self._u(rows.numel()))
+            self.selection.add(probs[rows, cols], tokens[rows, cols], cols + setting[rows], self._u(rows.numel()))
         if not self.law_declared:
             return
-        p = warp(logits, sampling)
+        p = warp(logits, sampling)  # each row under its own settings
         if parents is None:  # a chain is the tree whose node j hangs under node j − 1
             parents = (torch.arange(g) - 1).expand(tokens.shape[0], g)
-        law = self._replay(verifier, p, tokens, probs, parents.to(torch.long), lengths, out)
-        self._pair(law, out.next_token, torch.ones(len(law), dtype=torch.bool), EMITTED)
+        law = self._replay(verifier, p, tokens, probs, parents.to(torch.long), lengths, out, setting)
+        self._pair(law, out.next_token, torch.ones(len(law), dtype=torch.bool), EMITTED, setting)
 
     def _replay(self, verifier, p: Tensor, tokens: Tensor, probs: Tensor | None, parents: Tensor, lengths: Tensor,
-                out) -> Tensor:
+                out, setting: Tensor) -> Tensor:
         """Walk the verified tree again along the path ``out`` reports, under the verifier's own
         declared rule (docs/design/verification.md#multi-draft-trees): the children of the node
         the walk stands on are tried in index order, child j against the law left by the siblings
@@ -181,9 +201,9 @@ class RoundRecorder:
             reject = child & ~accept
             self.accept_prob.append(a[child])
             self.accepted.append(accept[child])
-            self.sibling.append(tried[child].clamp(max=SIBLING_STRATA - 1))
+            self.sibling.append((tried.clamp(max=SIBLING_STRATA - 1) + setting)[child])
             w = self._u(r)
-            self._event(torch.where(accept, a * w, a + (1 - a) * w), child, last, events)
+            self._event(torch.where(accept, a * w, a + (1 - a) * w), child, last, events, setting)
             if bool(reject.any()):
                 law = torch.where(reject[:, None], verifier.residual(law, q, x), law)
                 tried = tried + reject.to(torch.long)
@@ -194,18 +214,18 @@ class RoundRecorder:
                 tried = torch.where(accept, 0, tried)
         self.emission.impossible += int((depth != n).sum())  # the reported path left the walk
         strata = torch.where(tried > 0, depth * SIBLINGS + tried.clamp(max=SIBLINGS - 1), BONUS + depth)
-        v = self.emission.add(law, out.next_token, strata, self._u(r))
+        v = self.emission.add(law, out.next_token, strata + setting, self._u(r))
         if r:
-            self._event(v, torch.ones(r, dtype=torch.bool), last, events)
+            self._event(v, torch.ones(r, dtype=torch.bool), last, events, setting)
         return law
 
-    def _event(self, v: Tensor, live: Tensor, last: Tensor, events: Tensor) -> None:
+    def _event(self, v: Tensor, live: Tensor, last: Tensor, events: Tensor, setting: Tensor) -> None:
         """One more event of the walk for the ``live`` rows: pair its PIT with the row's previous
         one, stratified by the previous event's index (known before either was drawn)."""
         both = live & ~torch.isnan(last)
         if bool(both.any()):
             self.walk_pairs.append(torch.stack([last[both], v[both]], 1))
-            self.walk_strata.append((events[both] - 1).clamp(max=WALK_STRATA - 1))
+            self.walk_strata.append((events[both] - 1).clamp(max=WALK_STRATA - 1) + setting[both])
         last[live] = v[live].to(torch.float64)
         events[live] += 1
 

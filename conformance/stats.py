@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
 
 __all__ = ["ACCEPT_BANDS", "DETECT", "Band", "FitResult", "band_detectable", "band_label", "bernoulli_fit", "chi2_isf",
-           "chi2_sf", "detectable_tv", "goodness_of_fit", "merge_cells", "noncentrality", "pair_fit", "pit", "power",
-           "predicted_power", "square_fit", "total_variation", "uniformity_fit"]
+           "chi2_sf", "conditional_fit", "detectable_tv", "goodness_of_fit", "impossible_detectable", "merge_cells",
+           "noncentrality", "pair_fit", "pit", "power", "predicted_power", "square_fit", "total_variation",
+           "uniformity_fit"]
 
 MIN_EXPECTED = 5.0
 DETECT = 0.99  # the detection probability a stated minimum detectable effect refers to
@@ -192,6 +194,30 @@ def goodness_of_fit(counts: Tensor, probs: Tensor) -> FitResult:
         statistic = float(((observed - expected) ** 2 / expected).sum())
         p_value = chi2_sf(statistic, df)
     return FitResult(n, g, statistic, df, p_value, total_variation(counts / n, probs), impossible)
+
+
+def conditional_fit(groups: Iterable[tuple[Tensor, Tensor]]) -> FitResult:
+    """One chi-square over several conditional laws: each group is (counts ``[C]``, law ``[C]``)
+    of the draws that share a condition (a prompt, a prefix, a sampling setting); each is tested by
+    :func:`goodness_of_fit` and the statistics and degrees of freedom are summed.  ``n`` counts
+    the draws of the groups that had two cells or more; ``tv`` is their mean total variation
+    weighted by draws.  A deviation whose draw-weighted mean TV is t gives λ ≥ 4·n·t²
+    (Cauchy–Schwarz within a group, Jensen across them): the information is the one of
+    :func:`goodness_of_fit`, 4·n."""
+    statistic, df, n, cells, tv, impossible = 0.0, 0, 0, 0, 0.0, 0
+    for counts, probs in groups:
+        fit = goodness_of_fit(counts, probs)
+        impossible += fit.impossible
+        if fit.cells < 2:
+            continue
+        statistic += fit.statistic
+        df += fit.cells - 1
+        cells += fit.cells
+        n += fit.n
+        tv += fit.tv * fit.n
+    if df == 0:
+        return FitResult(n, cells, 0.0, 1, 1.0, 0.0, impossible, 0.0)
+    return FitResult(n, cells, statistic, df, chi2_sf(statistic, df), tv / n, impossible)
 
 
 def noncentrality(alternative: Tensor, probs: Tensor, n: int) -> tuple[float, int, float]:
@@ -372,6 +398,12 @@ def detectable_tv(fit: FitResult, alpha: float, screen: float | None = None, fac
     of detection is then the product of the two stages' powers.  Degrees of freedom are those of
     the first stage.  ``inf`` when the test saw no data."""
     return _detectable(fit.info, fit.df, alpha, screen, factor, detect)
+
+
+def impossible_detectable(n: int, detect: float = DETECT) -> float:
+    """The smallest deviation t from a point mass detected with probability ≥ ``detect`` in ``n``
+    draws: every draw off the point is impossible and fails at once, so 1 − (1 − t)^n ≥ detect."""
+    return 1.0 - (1.0 - detect) ** (1.0 / n) if n > 0 else math.inf
 
 
 @functools.lru_cache(maxsize=65536)

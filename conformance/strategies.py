@@ -4,11 +4,18 @@ A case's parameters come from what the plug-ins declare: each component's ``exam
 (its config defaults when it declares none), plus a γ override for drafters whose config has a
 ``gamma`` field.  The rest — temperature (0 included), top-k, top-p, batch size, the reference
 target (family, vocabulary, weights), the prompt, the horizon and the seeds — is drawn here.
+
+A combination whose components read the per-request sampling settings (:func:`reads_settings`)
+also meets a *mixed* case (:func:`mixed_strategy`): the same pipeline, target and batch, its
+requests at two or three settings of :data:`MENU` at once — the batches a server runs, where a
+component that mixes up rows' settings shows (vLLM's n-gram path once sampled its draft positions
+with settings that belonged to no request, vllm#55005).
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
@@ -17,9 +24,10 @@ from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
 from specforge_conformance.combos import Combination
 from specforge_conformance.exact import FAMILIES
-from specforge_conformance.harness import CASE_THREADS, Case, informative, pilot, shares
+from specforge_conformance.harness import CASE_THREADS, Case, Setting, informative, pilot, shares
 
-__all__ = ["CANDIDATES", "case_strategy", "draw_cases", "informative_cases", "params_strategy"]
+__all__ = ["CANDIDATES", "IDLE_SHARE", "MENU", "MIXED_SHARE", "case_strategy", "draw_cases", "informative_cases",
+           "mix_strategy", "mixed_case", "mixed_strategy", "params_strategy", "reads_settings"]
 
 # Drawn cases piloted per combination case, so that one in which verification happens is found
 # (a scheduler's threshold above every confidence, a step curve that admits no draft at this
@@ -38,6 +46,18 @@ TOP_P = (1.0, 0.8, 0.95)
 BATCHES = (64, 200, 128)
 VOCABS = (16, 8, 24)
 HORIZONS = (3, 2)
+# The settings a mixed case's requests draw from: greedy, and T ∈ {0.7, 1, 1.5} × top-k ∈ {0, 3} ×
+# top-p ∈ {1, 0.8} (at T = 0 top-k and top-p change nothing: one greedy setting).  A mix holds two
+# or three of them — more would split N too thinly for the per-setting sequence statistic — and at
+# least one that samples.
+MENU: tuple[Setting, ...] = ((0.0, 0, 1.0), *((t, k, p) for t in (0.7, 1.0, 1.5) for k in (0, 3) for p in (1.0, 0.8)))
+MIX_SIZES = (2, 3)
+# A combination's mixed case runs at this share of its (homogeneous) case's N: it is there for the
+# per-row statistics (draft law, acceptance, emission, draws a row's own law rules out), which need
+# no more; and a case no pilot found informative at this share (IDLE_SHARE) — the two keep the
+# fast tier's cost where it was (docs/conformance.md, "Cost").
+MIXED_SHARE = 0.5
+IDLE_SHARE = 0.25
 
 
 def params_strategy(host: PluginHost, kind: ComponentKind, name: str) -> st.SearchStrategy[dict]:
@@ -79,7 +99,50 @@ def case_strategy(host: PluginHost, combo: Combination, n: int) -> st.SearchStra
         seed=st.integers(0, 2**40),
         threads=st.just(CASE_THREADS),
     )
-    return strategy.map(lambda case: size_case(case, n)).filter(lambda case: case.law().well_conditioned)
+    return strategy.map(lambda case: size_case(case, n)).filter(lambda case: case.well_conditioned)
+
+
+def reads_settings(host: PluginHost, combo: Combination) -> bool:
+    """Whether a combination reads per-request sampling settings that can differ within a batch:
+    every one whose verifier samples — it warps each row with that row's own settings, and its
+    drafter (a sampling drafter warps its laws the same way) and scheduler (told each row's
+    temperature after the round) run in the same batches.  A greedy-only verifier's requests are
+    all at T = 0, where top-k and top-p change nothing."""
+    return not host.get(ComponentKind.VERIFIER, combo.verifier).metadata.greedy_only
+
+
+def mix_strategy() -> st.SearchStrategy[tuple[Setting, ...]]:
+    """Two or three distinct settings of :data:`MENU`, at least one sampling (T > 0); in half of
+    the mixes the greedy setting is one of them — greedy rows beside sampling rows in one round
+    are where a one-hot law can leak into a sampling row or the reverse, and among thirteen
+    settings a uniform draw would seldom put it there."""
+    greedy, sampling = MENU[0], st.sampled_from(MENU[1:])
+
+    def mixes(with_greedy: bool) -> st.SearchStrategy[tuple[Setting, ...]]:
+        least = min(MIX_SIZES) - with_greedy
+        return st.lists(sampling, min_size=least, max_size=max(MIX_SIZES) - with_greedy, unique=True).map(
+            lambda drawn: (*drawn, *((greedy,) if with_greedy else ())))  # (greedy last: the engine's default samples)
+
+    return st.booleans().flatmap(mixes)
+
+
+def mixed_strategy(case: Case, n: int) -> st.SearchStrategy[Case]:
+    """``case`` (the pipeline, target, prompt and batch of a drawn, piloted case) as a mixed case
+    of N = ``n``: its requests draw their settings from a mix (:func:`mix_strategy`) in which every
+    setting's law is well-conditioned.  Keeping the pipeline the pilot chose keeps the case
+    informative without a pilot of its own."""
+    def mixed(mix: tuple[Setting, ...]) -> Case:
+        return replace(case, mix=mix, temperature=mix[0][0], top_k=mix[0][1], top_p=mix[0][2], n=n)
+
+    return mix_strategy().map(mixed).filter(lambda c: c.well_conditioned)
+
+
+def mixed_case(case: Case, key: str) -> Case | None:
+    """The mixed case of a combination whose kept case is ``case``, at :data:`MIXED_SHARE` of its
+    N, drawn reproducibly for ``key`` (``None`` in the rare target on which no mix is
+    well-conditioned)."""
+    drawn = draw_cases(mixed_strategy(case, max(1, int(case.n * MIXED_SHARE))), 1, key)
+    return drawn[0] if drawn else None
 
 
 def draw_cases(strategy: st.SearchStrategy[Case], count: int, key: str) -> list[Case]:
@@ -110,7 +173,9 @@ def draw_cases(strategy: st.SearchStrategy[Case], count: int, key: str) -> list[
 def informative_cases(candidates: list[Case], count: int, host: PluginHost) -> list[Case]:
     """``count`` of ``candidates`` (in draw order) in which verification happens, by a short pilot
     run each (:func:`~specforge_conformance.harness.informative`); where too few are, the rest are
-    those that verified the largest share — the run then says whether they verified anything."""
+    those that verified the largest share, at :data:`IDLE_SHARE` of their N — they test little
+    beyond plain decoding (the run then says whether they verified anything), and their samples
+    pay for the combinations' mixed cases."""
     if len(candidates) <= count:
         return candidates
     chosen, scored = [], []
@@ -123,4 +188,4 @@ def informative_cases(candidates: list[Case], count: int, host: PluginHost) -> l
         else:
             scored.append((shares(result)[0] if result.accepted else 0.0, case))
     scored.sort(key=lambda t: -t[0])  # stable: draw order among equals
-    return chosen + [case for _, case in scored[:count - len(chosen)]]
+    return chosen + [replace(case, n=max(1, int(case.n * IDLE_SHARE))) for _, case in scored[:count - len(chosen)]]

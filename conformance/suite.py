@@ -13,7 +13,10 @@ a scheduler's causality), then the combinations.  The significance level α = 10
 run: each of the k cases is tested at α/k and each of its statistics at α/(k·6) (Bonferroni); a
 case that looks suspicious is measured again at 10·N before it is reported.  Combinations that
 declare themselves unfit (a lossy verifier, a confidence estimator that is not pre-token) are
-listed as such and never certified.  The suite's probe drafters (``random``, ``shadow``) are added
+listed as such and never certified.  A combination that reads per-request sampling settings (a
+sampling verifier's) also runs a *mixed* case beside its drawn one: the same pipeline with its
+requests at two or three settings at once, each tested against its own setting's law.  The suite's
+probe drafters (``random``, ``shadow``) are added
 to whatever the host has registered, so the verifiers' sampling path is exercised even when only
 deterministic drafters are installed.
 """
@@ -35,11 +38,12 @@ from specforge_conformance.combos import Combination, certification_blocker, com
 from specforge_conformance.deterministic import Check, component_checks, deterministic_checks
 from specforge_conformance.fingerprint import code_fingerprint
 from specforge_conformance.harness import (CASE_THREADS, MIN_TAU, MIN_VERIFIED, STATISTICS, Case, CaseResult,
-                                          check_case, exercised, shares, torch_threads)
+                                          check_case, exercised, setting_label, shares, torch_threads)
 from specforge_conformance.rounds import SIBLING_STRATA
 from specforge_conformance.stats import ACCEPT_BANDS, band_label
 from specforge_conformance.summary import OTHER_SHARD
-from specforge_conformance.strategies import CANDIDATES, case_strategy, draw_cases, informative_cases
+from specforge_conformance.strategies import (CANDIDATES, case_strategy, draw_cases, informative_cases, mixed_case,
+                                             reads_settings)
 
 __all__ = ["TIERS", "ComboReport", "SuiteReport", "Tier", "run_suite", "suite_host"]
 
@@ -138,6 +142,8 @@ class SuiteReport:
             "detectable": self.detectable_by_kind(),
             "detectable_bands": {row: {label: None if math.isinf(t) else t for label, t in book.items()}
                                  for row, book in self.detectable_by_band().items()},
+            "detectable_settings": {kind: {label: None if math.isinf(t) else t for label, t in book.items()}
+                                    for kind, book in self.detectable_by_setting().items()},
         }
 
     def detectable_by_kind(self) -> dict[str, dict[str, float]]:
@@ -148,11 +154,12 @@ class SuiteReport:
         over its cases; the kind's is the largest (worst) over its components.  Each combination
         of the covering set stands for itself (``pipeline``: the worst over them).  A tree walk's
         statistics are stated apart from a chain's (``verifier (trees)``): other rounds, other
-        power."""
+        power; and so are a mixed case's (``pipeline (mixed)``: its N split over its settings,
+        each statistic split by setting)."""
         per_row: dict[tuple[str, str], dict[str, float]] = {}
         for c in self.combos:
             for r in c.results:
-                kind = (c.role or "pipeline") + (" (trees)" if r.trees else "")
+                kind = (c.role or "pipeline") + (" (trees)" if r.trees else "") + (" (mixed)" if r.case.mix else "")
                 key = (kind, c.title if c.role else f"{c.title} #{id(r)}")
                 book = per_row.setdefault(key, {})
                 for stat, t in r.detectable().items():
@@ -176,10 +183,26 @@ class SuiteReport:
             if c.role != ComponentKind.VERIFIER.value:
                 continue
             for r in c.results:
+                if r.case.mix:  # its bands are split by setting too: the per-kind table states it
+                    continue
                 for band, t in r.detectable_bands():
                     child = f"{band.stratum + 1}{'+' if band.stratum + 1 >= SIBLING_STRATA else ''}"
                     book = out.setdefault(c.combination.verifier + (f" (trees, child {child})" if r.trees else ""), {})
                     book[band.label] = min(book.get(band.label, math.inf), t)
+        return out
+
+    def detectable_by_setting(self) -> dict[str, dict[str, float]]:
+        """Per kind under test (as in :meth:`detectable_by_kind`, mixed cases only) and sampling
+        setting, the ``sequence`` statistic's minimum detectable TV on that setting's requests
+        (:meth:`~specforge_conformance.harness.CaseResult.detectable_by_setting`): the worst over
+        the mixed cases that had the setting."""
+        out: dict[str, dict[str, float]] = {}
+        for c in self.combos:
+            for r in (r for r in c.results if r.case.mix):
+                book = out.setdefault(f"{c.role or 'pipeline'} (mixed)", {})
+                for setting, _, t in r.detectable_by_setting():
+                    label = setting_label(setting)
+                    book[label] = max(book.get(label, 0.0), t)
         return out
 
     def table(self) -> str:
@@ -210,7 +233,7 @@ class SuiteReport:
         for name, ks in self.component_checks.items():
             for k in ks:
                 lines.append(f"{name}: {k.name} {'ok' if k.passed else 'FAILED'} — {k.detail}")
-        return "\n".join(lines) + "\n\n" + self.detectable_table() + self.band_table()
+        return "\n".join(lines) + "\n\n" + self.detectable_table() + self.band_table() + self.setting_table()
 
     def detectable_table(self) -> str:
         """What the run detects with probability ≥ 99 %, per kind under test: the worst case's
@@ -256,6 +279,26 @@ class SuiteReport:
         for name, ks in self.component_checks.items():
             out.extend(f"FAILED {name}: {k.name}: {k.detail}" for k in ks if not k.passed)
         return "\n".join(out)
+
+
+    def setting_table(self) -> str:
+        """What the mixed cases' sequence statistic detects on each setting's requests (empty when
+        no mixed case ran)."""
+        book = self.detectable_by_setting()
+        labels = sorted({label for b in book.values() for label in b}, key=_setting_order)
+        if not labels:
+            return ""
+        rows = [("tested as", *labels)]
+        for kind, b in book.items():
+            rows.append((kind, *(("-" if label not in b else "∞" if math.isinf(b[label]) else
+                                  "≥ 0.5" if b[label] >= 0.5 else f"{b[label]:.3f}") for label in labels)))
+        return ("\n\nmixed cases, sequence statistic per sampling setting: the smallest TV on that setting's "
+                "requests detected (≥ 99 % power, worst case; greedy: a point mass, any deviation is a draw of "
+                "probability 0)\n" + "\n".join(_columns(rows)))
+
+
+def _setting_order(label: str) -> tuple:
+    return (label != "greedy", label)
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:
@@ -318,6 +361,7 @@ class _Job:
     size: int  # the cases it checks
     pipeline_checks: bool  # run the deterministic checks of the pipeline of cases[0]
     keep: int | None = None  # choose this many informative cases among ``cases`` first (a pilot run each)
+    mixed: str | None = None  # then add the mixed case of the first, drawn for this key
 
 
 def run_suite(host: PluginHost | None = None, tier: str = "fast", plugins: Iterable[str] = (),
@@ -367,8 +411,10 @@ def _run_suite(host: PluginHost | None, tier: str, plugins: Iterable[str], alpha
         def draw(combo: Combination = combo) -> list[Case]:
             return draw_cases(case_strategy(host, combo, n or spec.size(None)),
                               spec.cases_per_combination + (0 if combo.plain else CANDIDATES), f"{seed}:{combo.label()}")
-        jobs.append(_Job(ComboReport(combo, "certified"), draw, spec.cases_per_combination,
-                         deterministic and not combo.plain, None if combo.plain else spec.cases_per_combination))
+        mixed = reads_settings(host, combo)
+        jobs.append(_Job(ComboReport(combo, "certified"), draw, spec.cases_per_combination + mixed,
+                         deterministic and not combo.plain, None if combo.plain else spec.cases_per_combination,
+                         f"{seed}:{combo.label()}:mixed" if mixed else None))
     total = sum(j.size for j in jobs)
     per_case = alpha / max(total, 1)
     mine = range(index - 1, len(jobs), count)  # the shard's interleaved share
@@ -387,6 +433,8 @@ def _run_suite(host: PluginHost | None, tier: str, plugins: Iterable[str], alpha
                 job.cases = job.cases()
             if job.keep is not None:  # the pilots run the plug-ins too: a broken one is reported here
                 job.cases = informative_cases(job.cases, job.keep, host)
+            if job.mixed is not None:  # (last: the deterministic checks take the first, homogeneous case)
+                job.cases = job.cases + [c for c in [mixed_case(job.cases[0], job.mixed)] if c is not None]
             for case in job.cases:
                 result = check_case(case, host, per_case)
                 report.results.append(result)

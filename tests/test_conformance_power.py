@@ -141,20 +141,25 @@ def test_calibrator_causality(xhost):
 def test_probe_cases_reach_their_mechanism(chost):
     """Each probe case is sized by the power calculation and leaves room for a whole block."""
     verifier = probes.probe_cases(chost, ComponentKind.VERIFIER, "rejection", 20_000)
-    assert len(verifier) == 4 and all(c.horizon == 4 and c.vocab == 8 for c in verifier)
+    assert len(verifier) == 5 and all(c.horizon == 4 and c.vocab == 8 for c in verifier)
     assert verifier[0].pipeline["drafter"][1]["spike"] > 0
     # a chain whose drafts sit just below and above p/q = 1, at the tier's N
     near = verifier[1]
     assert near.pipeline["drafter"] == probes.NEAR_ONE and near.temperature == probes.NEAR_T and near.n == 20_000
     # it verifies trees: the top-k tree of the target's law at full N, the iid one at half
-    top, iid = verifier[2:]
+    top, iid, mixed = verifier[2:]
     assert top.pipeline["drafter"] == ("random-tree", {"branching": [4, 2], "children": "top", "source": "target"})
     assert top.n == 20_000 and iid.pipeline["drafter"][0] == "random-tree" and iid.n == 10_000
+    # the spiky chain again with greedy, T = 1 and truncated rows in every batch, on a target of its own
+    assert mixed.mix == probes.PROBE_MIX and mixed.pipeline == verifier[0].pipeline and mixed.n == 20_000
+    assert (mixed.family, mixed.target_seed, mixed.seed) != (verifier[0].family, verifier[0].target_seed,
+                                                             verifier[0].seed)
+    assert not any(c.mix for c in verifier[:4])
     assert not probes.probe_cases(chost, ComponentKind.VERIFIER, "typical", 20_000)  # lossy
     # at T = 0 every decision is certain: a greedy-only verifier gets no case near the threshold
     greedy = probes.probe_cases(chost, ComponentKind.VERIFIER, "greedy", 20_000)
     assert [c.pipeline["drafter"][0] for c in greedy] == ["shadow", "random-tree"]
-    assert all(c.temperature == 0 for c in greedy)
+    assert all(c.temperature == 0 and not c.mix for c in greedy)  # its requests are all at T = 0: no mix
     scheduler = probes.probe_cases(chost, ComponentKind.SCHEDULER, "threshold", 20_000)
     assert scheduler[0].pipeline["confidence"][0] == "probe-prev"
 
