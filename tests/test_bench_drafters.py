@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from specforge.bench.drafters import bench_table, load_bench_config
+from specforge.bench.drafters import TRAINING_PROMPTS, bench_table, load_bench_config, run_drafters_bench
 from specforge.errors import ConfigError
 from tiny_models import tiny_training_files
 
@@ -101,3 +101,34 @@ def test_every_method_trains_at_one_budget_and_every_arm_is_measured_in_one_run(
     again = subprocess.run(cmd, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "training steps" not in again.stderr  # every method complete: reused, not retrained
+
+
+def test_the_memorisation_mode_evaluates_on_the_prompts_trained_on_with_each_methods_own_overrides(tmp_path):
+    """``on_training_prompts``: the eval set is the first user turn of every conversation the methods
+    trained on (the held-out tail left out); a method's ``train`` overrides reach its run only."""
+    model, chats, _ = tiny_training_files(tmp_path, conversations=8)
+    train = tmp_path / "train.yaml"
+    train.write_text(
+        f"target: {{model: '{model}', dtype: float32}}\n"
+        f"data: {{source: '{chats}', max_length: 64, eval_sequences: 2,"
+        " regenerate: {enabled: true, max_new_tokens: 8, max_batch: 4, shard_size: 8, temperature: 0}}\n"
+        "features: {mode: offline, sequences_per_shard: 4}\n"
+        "schedule: {total_steps: 2, warmup_steps: 1}\nbatch: {sequences: 2, anchors: 2}\n"
+        "output: {progress: false}\ndevice: cpu\n")
+    dspark = "{name: dspark, layers: 1, gamma: 3, target_layers: [0, 2], head: {name: none}, confidence: {name: none}}"
+    bench = load_bench_config([], [
+        f"train=['{train}']", "budget_minutes=0.01", "probe_steps=2", "eval_points=1", "on_training_prompts=true",
+        f"methods.few.drafter={dspark}", f"methods.many.drafter={dspark}", "methods.many.train=[batch.anchors=6]",
+        "prompts=6", "max_new_tokens=4", "temperatures=[0.0]", f"out={tmp_path / 'out'}"])
+    result = run_drafters_bench(bench, say=lambda msg: None)
+    out = tmp_path / "out"
+    conversations = [json.loads(line) for line in (out / "regenerated").glob("*.jsonl").__next__().open()]
+    prompts = [json.loads(line) for line in (out / TRAINING_PROMPTS).open()]
+    assert prompts == [{"turns": [c["messages"][0]["content"]]} for c in conversations[:-2]]
+    for arm in result["arms"].values():
+        assert [r["dataset"] for r in arm["results"]] == ["training-prompts"]
+    anchors = {m: json.loads(line)["blocks"] for m in ("few", "many")
+               for line in (out / m / "metrics.jsonl").open() if '"split": "train"' in line}
+    assert anchors["many"] > anchors["few"]  # 6 anchors a sequence, not the shared 2
+    with pytest.raises(ConfigError, match=r"data.limit=3: the data, features and target are shared"):
+        load_bench_config([], [f"methods.x.drafter={dspark}", "methods.x.train=[data.limit=3]"])

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["BENCHES", "commands"]
 
 # In the order `specforge bench --help` lists them.
-BENCHES = ("engine_bench", "ab", "round", "drafters", "serving", "vllm_drafter", "llamacpp_drafter", "attention")
+BENCHES = ("engine_bench", "ab", "round", "drafters", "probe", "serving", "vllm_drafter", "llamacpp_drafter", "attention")
 
 
 def commands() -> list[Subcommand]:

@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specforge.bench.runner import Report, add_output_arguments, bench_command
 from specforge.config import compose, validation_problems
 from specforge.errors import ConfigError
+from specforge.files import write_atomic
 from specforge.machine import machine
 from specforge.resume import read_record, write_record
 
@@ -47,11 +48,24 @@ __all__ = ["BENCH_PRESETS", "COMMAND", "REPORT", "DraftersBench", "bench_table",
 
 
 class BenchMethod(BaseModel):
-    """One trained arm: its ``drafter.*`` training section, and pipeline overrides for serving it."""
+    """One trained arm: its ``drafter.*`` training section, training overrides of its own, and
+    pipeline overrides for serving it."""
 
     model_config = ConfigDict(extra="forbid")
     drafter: dict[str, Any] = Field(description="the drafter.* section of its training config (name + keys)")
+    train: list[str] = Field(default_factory=list,
+                             description="key=value overrides of the shared training config for this method only "
+                                         "(batch.*, optimizer.*, schedule.*: the data is every method's)")
     serve: list[str] = Field(default_factory=list, description="pipeline key=value overrides when serving it")
+
+    @field_validator("train")
+    @classmethod
+    def _not_the_data(cls, value: list[str]) -> list[str]:
+        shared = [o for o in value if o.split("=", 1)[0].strip().split(".")[0] in ("data", "features", "target")]
+        if shared:
+            raise ValueError(f"{', '.join(shared)}: the data, features and target are shared by every method "
+                             "(set them in the bench's overrides)")
+        return value
 
 
 class TreeArm(BaseModel):
@@ -76,6 +90,9 @@ class DraftersBench(BaseModel):
     methods: dict[str, BenchMethod]
     trees: dict[str, TreeArm] = Field(default_factory=dict)
     datasets: list[str] = Field(default_factory=lambda: ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"])
+    on_training_prompts: bool = Field(
+        False, description="evaluate on the first user turns of the conversations the methods trained on "
+                           "(written to <out>/training-prompts.jsonl) instead of `datasets`: the memorisation check")
     prompts: int = Field(8, ge=1, description="prompts per eval set")
     max_new_tokens: int = Field(128, ge=1)
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
@@ -103,6 +120,7 @@ class DraftersBench(BaseModel):
 _MEDUSA_TREE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
                 [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
 _VOCAB = 8192
+TRAINING_PROMPTS = "training-prompts.jsonl"
 # The DSpark recipe study (docs/comparison.md#recipe): the shipped drafter's
 # architecture on the `medium` data (~640 of the target's own answers), one change per arm, every
 # arm at the same wall-clock budget, so learning.png answers "which change buys held-out τ̂ per
@@ -125,6 +143,39 @@ BENCH_PRESETS: dict[str, dict[str, Any]] = {
             "full-vocab": {"drafter": {**_SHIPPED_DSPARK, "draft_vocab": None}},
             "ce-heavy": {"drafter": {**_SHIPPED_DSPARK, "loss": {"ce_weight": 1.0, "tv_weight": 0.9}}},
         },
+    },
+    # The memorisation check (docs/comparison.md#ceiling): the target's greedy answers to 48 prompts,
+    # trained on until the loss stops falling, then decoded greedily on the same prompts with every
+    # block verified.  A drafter whose inputs are right approaches τ = γ + 1 there; one that stays
+    # far below has a defect no amount of data fixes (tap offset, label shift, mask leak, positions).
+    "memorise": {
+        "train": ["quick"],
+        "overrides": ["data.limit=64", "data.max_length=320", "data.eval_sequences=0",
+                      "data.regenerate.temperature=0", "data.regenerate.max_new_tokens=160",
+                      "batch.sequences=8", "batch.anchors=32", "optimizer.lr=2e-3", "schedule.warmup_steps=20"],
+        "budget_minutes": 25.0,
+        "on_training_prompts": True,
+        "prompts": 48,
+        "max_new_tokens": 128,
+        "temperatures": [0.0],
+        "out": "runs/memorise",
+        "methods": {
+            "dspark": {"drafter": _SHIPPED_DSPARK, "serve": ["scheduler.name=fixed"]},
+            "eagle3": {"drafter": {"name": "eagle3", "steps": 7, "draft_vocab": _VOCAB},
+                       "serve": ["scheduler.name=fixed"]},
+        },
+    },
+    # Anchors per sequence (DeepSpec trains 512, the `cpu` preset 16): the shipped architecture on
+    # the `medium` data, each arm at the same wall-clock budget — more anchors make a step dearer,
+    # so the curves say whether positions or steps buy held-out τ̂ per CPU-hour.
+    "anchors": {
+        "train": ["medium"],
+        "budget_minutes": 20.0,
+        "prompts": 4,
+        "max_new_tokens": 96,
+        "out": "runs/anchors",
+        "methods": {f"anchors-{n}": {"drafter": _SHIPPED_DSPARK, "train": [f"batch.anchors={n}"],
+                                     "serve": ["scheduler.name=fixed"]} for n in (16, 64, 256, 512)},
     },
     "paper": {
         "methods": {
@@ -183,8 +234,11 @@ def _train_config(bench: DraftersBench, label: str, out: Path, layers: Sequence[
     and feature cache, and (once known) its budgeted schedule."""
     from specforge.training.config import validate_train_config
 
+    method = bench.methods[label]
     raw = _shared(bench)
-    raw["drafter"] = copy.deepcopy(bench.methods[label].drafter)
+    if method.train:
+        raw = OmegaConf.to_container(OmegaConf.merge(raw, OmegaConf.from_dotlist(list(method.train))), resolve=True)
+    raw["drafter"] = copy.deepcopy(method.drafter)
     raw["output"]["dir"] = str(directory or out / label)
     regen = raw["data"]["regenerate"]
     if regen.get("enabled") and not regen.get("dir"):
@@ -249,7 +303,7 @@ def _train(bench: DraftersBench, label: str, out: Path, target: Any, say: Callab
     layers = _tap_layers(_train_config(bench, label, out, None, None), target)
     budget = _budget(bench, label, out, layers, target, say)
     steps = budget["steps"]
-    warmup = min(int(_shared(bench)["schedule"].get("warmup_steps") or 0), steps // 10)
+    warmup = min(int(_train_config(bench, label, out, None, None).schedule.warmup_steps), steps // 10)
     interval = max(1, steps // bench.eval_points)
     config = _train_config(bench, label, out, layers, {"total_steps": steps, "epochs": None, "warmup_steps": warmup},
                            output={"eval_interval": interval, "checkpoint_interval": interval})
@@ -323,9 +377,11 @@ def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say,
     from specforge.target import TargetModel
 
     out = Path(bench.out)
-    settings = EvalSettings(datasets=list(bench.datasets), prompts=bench.prompts, temperatures=list(bench.temperatures),
+    datasets = [str(out / TRAINING_PROMPTS)] if bench.on_training_prompts else list(bench.datasets)
+    settings = EvalSettings(datasets=datasets, prompts=bench.prompts, temperatures=list(bench.temperatures),
                             max_new_tokens=bench.max_new_tokens, concurrency=1, eval_dir=bench.eval_dir)
-    settings.prompt_sets()  # a missing eval set fails now, not after hours of training
+    if not bench.on_training_prompts:
+        settings.prompt_sets()  # a missing eval set fails now, not after hours of training
     first = _train_config(bench, next(iter(bench.methods)), out, None, None)
     target = TargetModel.load(first.target.model, first.target.dtype)
     if prepare_only:
@@ -339,6 +395,8 @@ def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say,
     train_s = time.perf_counter() - t0
     if train_only:
         return None
+    if bench.on_training_prompts:
+        _write_training_prompts(bench, out)
     say("evaluation: every arm and plain decoding, same prompts, same run")
     target_section = {"model": first.target.model, "dtype": first.target.dtype}
     arms = _pipelines(bench, trained, target_section)
@@ -355,6 +413,23 @@ def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say,
         "trees": {label: tree.of for label, tree in bench.trees.items()},
         "arms": {n: {"pipeline": arms[n].to_dict(), "results": rows[n], "summary": _summary(rows[n])} for n in names},
     }
+
+
+def _write_training_prompts(bench: DraftersBench, out: Path) -> Path:
+    """``<out>/training-prompts.jsonl``: the first user turn of every conversation the methods
+    trained on (the regenerated ones, less the ``data.eval_sequences`` held out at the end)."""
+    from specforge.data.regeneration import iter_regenerated
+    from specforge.training.config import TrainConfig
+
+    shared = TrainConfig.model_validate(_shared(bench))
+    if not shared.data.regenerate.enabled:
+        raise ConfigError(["on_training_prompts: needs data.regenerate.enabled (the target's own answers)"])
+    regen = shared.data.regenerate.dir
+    conversations = list(iter_regenerated(Path(regen) if regen else out / "regenerated"))
+    kept = conversations[:len(conversations) - shared.data.eval_sequences]
+    path = out / TRAINING_PROMPTS
+    write_atomic(path, "".join(json.dumps({"turns": c.user_turns[:1]}) + "\n" for c in kept if c.user_turns))
+    return path
 
 
 def _summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

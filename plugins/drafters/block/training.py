@@ -101,6 +101,9 @@ class BlockTrainConfig(BaseModel):
     confidence: dict[str, Any] = Field(default_factory=lambda: {"name": "dspark-head"}, validate_default=True,
                                        description="confidence head trained with it: dspark-head + its keys, or none")
     seed: int = Field(0, description="seed of the backbone's initialisation")
+    mask_token_id: int | None = Field(
+        None, ge=0, description="a vocabulary id whose frozen embedding is the MASK input (DeepSpec's and vLLM's "
+                                "layout); None: a learned MASK vector")
     qk_norm: bool | None = Field(
         True, description="per-head RMSNorm of queries and keys in the draft layers (the Qwen3 layout DeepSpec, "
                           "vLLM, SGLang and llama.cpp read; false: not exportable); null: as the target's layers "
@@ -231,7 +234,7 @@ class BlockTraining(VocabTraining):
         return BlockDrafterConfig.from_model_args(
             self.target.args, draft_layers=c.layers, gamma=c.gamma, predict_anchor=self.predict_anchor,
             target_layers=tuple(c.target_layers) if c.target_layers is not None else None,
-            draft_vocab_size=None if vocab is None else vocab.size,
+            draft_vocab_size=None if vocab is None else vocab.size, mask_token_id=c.mask_token_id,
             qk_norm=self.target.args.qk_norm if c.qk_norm is None else c.qk_norm)
 
     def _build(self, vocab: DraftVocab | None) -> DrafterModule:
