@@ -103,38 +103,50 @@ def test_independence_of_neighbours_at_different_settings_is_exact_and_sees_shar
     assert independence(draw(u), laws, setting).p_value < 1e-12
 
 
+def _base_case(host: PluginHost, combo) -> Case:
+    """A kept case of ``combo`` as the suite would hand it to :func:`mixed_case` (its components at
+    their first declared parameters), on a small target so that the draw stays cheap."""
+    pipeline = {slot: None if name is None else
+                (name, dict((host.get(ComponentKind(slot), name).metadata.examples or ({},))[0]))
+                for slot, name in combo.to_dict().items()}
+    return Case(pipeline=pipeline, vocab=8, horizon=2, batch=128, n=10_000, seed=7, threads=1)
+
+
 def test_the_strategies_put_mixed_batches_in_front_of_every_combination_that_reads_settings():
-    """Every combination of the fast tier whose verifier samples meets a mixed case: its drawn
-    case's pipeline, target and batch, at two or three settings at once, at half its N; a
+    """Every combination of the fast tier whose verifier samples meets a mixed case: its kept
+    case's pipeline, target and batch at two or three settings at once, at half its N; a
     greedy-only verifier's requests are all at T = 0, and its combinations have none."""
     host = suite_host(PluginHost(autoload=False))
     chosen, _ = plan(host, TIERS["fast"])
-    settings_readers = [c for c in chosen if reads_settings(host, c)]
-    assert {c.verifier for c in settings_readers} == {"rejection", "match"}
+    readers = [c for c in chosen if reads_settings(host, c)]
+    assert {c.verifier for c in readers} == {"rejection", "match"}
     assert {c.verifier for c in chosen if not reads_settings(host, c)} == {"greedy"}
-    drafters, schedulers, mixes = set(), set(), []
-    for combo in settings_readers:
-        (case,) = draw_cases(case_strategy(host, combo, 1_000), 1, f"0:{combo.label()}")
+    mixes = []
+    for combo in readers:
+        case = _base_case(host, combo)
         mixed = mixed_case(case, f"0:{combo.label()}:mixed")
         assert mixed is not None and mixed.well_conditioned, combo.label()
         assert 2 <= len(mixed.mix) <= 3 and len(set(mixed.mix)) == len(mixed.mix)
         assert set(mixed.mix) <= set(MENU) and any(t > 0 for t, _, _ in mixed.mix)
+        assert mixed.n == int(case.n * MIXED_SHARE)
         assert replace(mixed, mix=(), temperature=case.temperature, top_k=case.top_k, top_p=case.top_p,
                        n=case.n) == case
-        assert mixed.n == int(case.n * MIXED_SHARE)
-        drafters.add(combo.drafter)
-        schedulers.add(combo.scheduler)
         mixes.append(mixed.mix)
-    # every drafter that warps and every scheduler meets mixed batches; greedy rows are among them
+    # so every drafter that samples (and may warp) and every scheduler meets mixed batches
     sampling = {d for d in host.names(ComponentKind.DRAFTER)
                 if not host.get(ComponentKind.DRAFTER, d).metadata.deterministic}
-    assert sampling & {c.drafter for c in chosen} <= drafters
-    assert {c.scheduler for c in chosen if c.scheduler} <= schedulers
-    assert sum(MENU[0] in mix for mix in mixes) >= len(mixes) // 4
+    assert sampling & {c.drafter for c in chosen} <= {c.drafter for c in readers}
+    assert {c.scheduler for c in chosen if c.scheduler} <= {c.scheduler for c in readers}
+    assert sum(MENU[0] in mix for mix in mixes) >= len(mixes) // 4  # greedy rows beside sampling ones
     # the mix itself: two or three settings, at least one sampling, greedy in about half
     drawn = draw_cases(mix_strategy(), 60, "mixes")
     assert all(any(t > 0 for t, _, _ in m) and 2 <= len(m) <= 3 for m in drawn)
     assert 15 <= sum(MENU[0] in m for m in drawn) <= 45
+    # and through the suite's own draw (hypothesis, sized and filtered), for one combination
+    combo = next(c for c in readers if c.drafter == "dspark")
+    (case,) = draw_cases(case_strategy(host, combo, 1_000), 1, f"0:{combo.label()}")
+    mixed = mixed_case(case, f"0:{combo.label()}:mixed")
+    assert mixed.mix and mixed.pipeline == case.pipeline and mixed.well_conditioned
 
 
 def test_sampling_verifiers_and_drafters_have_a_mixed_probe(chost):
