@@ -26,8 +26,14 @@ the prefix's law: the test stays exact, and the report says which share of the s
 
 Every case runs *arms*: temperature 1, one temperature ≠ 1, and the negative control — the same
 engine serving temperature 0.9 while the reference claims 1.0 — which must be rejected at the
-very level the clean arms pass at.  α = 10⁻⁶ over the run: each of the k clean arms at α/k, each
-of its statistics at α/(k·s) (Bonferroni over all of them).  There is no second stage at 10·N
+very level the clean arms pass at.  And a *mixed* arm: the requests of each prompt at several
+temperatures at once (:data:`MIX`, request j at the j-th in turn, so that requests sent together
+differ), each tested against its own temperature's law — the batches a server runs, where an
+engine that gives a row another row's settings shows (vLLM's n-gram path sampled its draft
+positions with settings that belonged to no request, vllm#55005) — with its control: every
+request served at its neighbour's temperature, tested against its own (run where there is a
+reference: an engine's own laws are those of the temperatures it served).  α = 10⁻⁶ over the run:
+each of the k clean arms at α/k, each of its statistics at α/(k·s) (Bonferroni over all of them).  There is no second stage at 10·N
 here (an engine's samples cost too much): the stated minimum detectable effect is the single-stage
 one at that level.  An arm whose engine returned fewer tokens than asked, or no law where one
 was promised, is reported by the engine's name and never counts as a pass; an arm in which the
@@ -57,6 +63,7 @@ __all__ = ["ALPHA", "HORIZON", "MIN_GROUP", "Arm", "ArmResult", "CaseReport", "E
            "run_level", "sequence_counts", "two_sample_fit"]
 
 ALPHA = 1e-6  # over the whole run, as in the white-box tier
+MIX = (0.7, 1.0, 1.3)  # the temperatures of a mixed arm's requests
 HORIZON = 4  # tokens per draw: a first token, then three a draft can be verified on
 MIN_GROUP = 5  # a prefix drawn fewer times carries no cell with expected count >= 5
 
@@ -86,8 +93,10 @@ class SamplingEngine(Protocol):
     name: str
     returns_laws: bool  # its replies carry the law of every sampled token
 
-    def sample(self, prompt: Sequence[int], n_tokens: int, temperature: float, seeds: Sequence[int],
-               progress: Callable[[int], None] | None = None) -> Sampled: ...
+    def sample(self, prompt: Sequence[int], n_tokens: int, temperature: float | Sequence[float],
+               seeds: Sequence[int], progress: Callable[[int], None] | None = None) -> Sampled:
+        """``len(seeds)`` requests of ``n_tokens`` after ``prompt``, at one temperature or each
+        at its own (a sequence, one per seed), sent together."""
 
 
 class Reference(Protocol):
@@ -105,7 +114,9 @@ class Reference(Protocol):
 @dataclass(frozen=True)
 class Arm:
     """One set of draws of a case: served at ``temperature``, tested against the law at
-    ``claimed``; a ``control`` must be rejected."""
+    ``claimed``; a ``control`` must be rejected.  A mixed arm (``mix``): request j of each prompt
+    is tested against the law at ``mix[j mod m]`` and served at ``mix[(j + shift) mod m]`` —
+    its own temperature, or (``shift`` ≠ 0, a control) a neighbour's."""
 
     name: str
     temperature: float
@@ -113,13 +124,32 @@ class Arm:
     n: int  # requests over all prompts
     control: bool = False
     speculative: bool = True
+    mix: tuple[float, ...] = ()
+    shift: int = 0
+
+    def claims(self, m: int) -> list[float]:
+        """The temperature each of ``m`` requests of a prompt is tested at."""
+        return [self.mix[j % len(self.mix)] for j in range(m)] if self.mix else [self.claimed] * m
+
+    def serves(self, m: int) -> list[float]:
+        """The temperature each of ``m`` requests of a prompt is served at."""
+        return [self.mix[(j + self.shift) % len(self.mix)] for j in range(m)] if self.mix else [self.temperature] * m
+
+    def served_for(self, claimed: float) -> float:
+        """The temperature the requests tested at ``claimed`` are served at."""
+        return self.mix[(self.mix.index(claimed) + self.shift) % len(self.mix)] if self.mix else self.temperature
 
 
 def default_arms(n: int, control_n: int | None = None, other_temperature: float = 0.7) -> list[Arm]:
     """T = 1 at ``n``, T = ``other_temperature`` at n/2, and the control (served at 0.9, claimed
-    1.0) at ``control_n`` (default n/4)."""
+    1.0) at ``control_n`` (default n/4); then the mixed arm (:data:`MIX`) at n/2 and its control
+    (each request served at its neighbour's temperature) at ``control_n``."""
+    label = "/".join(f"{t:g}" for t in MIX)
     return [Arm("T=1", 1.0, 1.0, n), Arm(f"T={other_temperature:g}", other_temperature, other_temperature, n // 2),
-            Arm("control: T=0.9 claimed as 1", 0.9, 1.0, control_n or n // 4, control=True)]
+            Arm("control: T=0.9 claimed as 1", 0.9, 1.0, control_n or n // 4, control=True),
+            Arm(f"mixed T={label}", MIX[0], MIX[0], n // 2, mix=MIX),
+            Arm("control: mixed, served at a neighbour's T", MIX[0], MIX[0], control_n or n // 4, control=True,
+                mix=MIX, shift=1)]
 
 
 # --- statistics ---------------------------------------------------------------------------------
@@ -153,18 +183,23 @@ def sequence_counts(tokens: Iterable[Sequence[int]]) -> Counter:
     return Counter(tuple(t) for t in tokens)
 
 
-def _first_token_groups(draws: dict[int, list[list[int]]], prompts: Sequence[Sequence[int]], reference: Reference,
-                        temperature: float) -> Iterator[tuple[Tensor, Tensor]]:
-    for i, rows in draws.items():
+# Draws are kept by (prompt index, the temperature they are tested at): a mixed arm's requests of
+# one prompt form one group per temperature, each against its own law.
+Draws = dict[tuple[int, float], list[list[int]]]
+
+
+def _first_token_groups(draws: Draws, prompts: Sequence[Sequence[int]], reference: Reference
+                        ) -> Iterator[tuple[Tensor, Tensor]]:
+    for (i, temperature), rows in draws.items():
         (_, law), = reference.laws(prompts[i], [()], temperature)
         counts = torch.bincount(torch.tensor([r[0] for r in rows]), minlength=law.numel())
         yield counts, law
 
 
-def _position_groups(draws: dict[int, list[list[int]]], prompts: Sequence[Sequence[int]], reference: Reference,
-                     temperature: float, k: int, covered: list[int]) -> Iterator[tuple[Tensor, Tensor]]:
+def _position_groups(draws: Draws, prompts: Sequence[Sequence[int]], reference: Reference, k: int,
+                     covered: list[int]) -> Iterator[tuple[Tensor, Tensor]]:
     """(counts of token k, law) of every prefix of k − 1 tokens drawn ≥ MIN_GROUP times."""
-    for i, rows in draws.items():
+    for (i, temperature), rows in draws.items():
         by_prefix: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for r in rows:
             if len(r) >= k:
@@ -243,18 +278,20 @@ def _unstated(laws: list[list[tuple[list[int], list[float]]]] | None) -> Counter
 
 
 def _draw(engine: SamplingEngine, prompts: Sequence[Sequence[int]], arm: Arm, seed: int, horizon: int,
-          progress: Callable[[int], None] | None) -> tuple[dict[int, list[list[int]]], Sampled]:
+          progress: Callable[[int], None] | None) -> tuple[Draws, Sampled]:
     """``arm.n`` requests split over the prompts; request j of prompt i seeded with
-    seed + 1,000,003·i + j (distinct across prompts and arms)."""
+    seed + 1,000,003·i + j (distinct across prompts and arms), a mixed arm's at its own
+    temperature (:meth:`Arm.serves`)."""
     per = _split(arm.n, len(prompts))
-    out: dict[int, list[list[int]]] = {}
+    out: Draws = {}
     total = Sampled([], 0, 0, [] if engine.returns_laws else None)
     for i, (prompt, m) in enumerate(zip(prompts, per)):
         seeds = [seed + 1_000_003 * i + j for j in range(m)]
+        served, claimed = (arm.serves(m), arm.claims(m)) if arm.mix else (arm.temperature, arm.claimed)
         # an engine that returns its laws is told which temperature the arm claims (vLLM: raw or
         # processed log-probabilities)
-        got = engine.sample(prompt, horizon, arm.temperature, seeds, progress,
-                            **({"claimed": arm.claimed} if engine.returns_laws else {}))
+        got = engine.sample(prompt, horizon, served, seeds, progress,
+                            **({"claimed": claimed} if engine.returns_laws else {}))
         short = [len(t) for t in got.tokens if len(t) != horizon]
         if len(got.tokens) != m or short:
             raise EngineFault(f"{engine.name} returned {len(got.tokens)} completions for {m} requests"
@@ -264,7 +301,8 @@ def _draw(engine: SamplingEngine, prompts: Sequence[Sequence[int]], arm: Arm, se
                                     or any(len(x) != horizon for x in got.laws)):
             raise EngineFault(f"{engine.name} returned no law (logprobs) for some of its {m} tokens sequences "
                               "although it was asked for them")
-        out[i] = got.tokens
+        for t, tokens in zip(arm.claims(m), got.tokens):
+            out.setdefault((i, t), []).append(tokens)
         total.tokens += got.tokens
         for name in ("drafted", "accepted"):
             value = getattr(got, name)
@@ -290,7 +328,7 @@ def check_arm(engine: SamplingEngine, reference: Reference | None, prompts: Sequ
             # a NaN or infinite probability is a law the engine cannot state, not one to test
             fault = (f"{engine.name} returned non-finite probabilities (NaN or inf) as the law of "
                      f"{sum(broken.values())} of its {sum(map(len, sampled.tokens))} tokens at "
-                     f"T = {arm.temperature:g} (by position: {dict(sorted(broken.items()))})")
+                     f"T = {_served(arm)} (by position: {dict(sorted(broken.items()))})")
             if reference is None and baseline is None:
                 raise EngineFault(fault + ": the law it drew them from is unknown, so they cannot be tested")
             result.fault = fault + ("; its draws are tested against the reference alone" if reference is not None
@@ -299,15 +337,15 @@ def check_arm(engine: SamplingEngine, reference: Reference | None, prompts: Sequ
         tests: dict[str, FitResult] = {}
         n = sum(len(r) for r in draws.values())
         if reference is not None:
-            tests["first token"] = conditional_fit(_first_token_groups(draws, prompts, reference, arm.claimed))
+            tests["first token"] = conditional_fit(_first_token_groups(draws, prompts, reference))
             result.covered["first token"] = 1.0
             for k in range(2, horizon + 1):
                 covered = [0]
                 tests[f"position {k}"] = conditional_fit(
-                    _position_groups(draws, prompts, reference, arm.claimed, k, covered))
+                    _position_groups(draws, prompts, reference, k, covered))
                 result.covered[f"position {k}"] = covered[0] / n
             if arm.control:
-                result.predicted_power = _predicted_power({i: len(rows) for i, rows in draws.items()}, prompts,
+                result.predicted_power = _predicted_power({key: len(rows) for key, rows in draws.items()}, prompts,
                                                           reference, arm, level)
         if sampled.laws is not None:
             gen = torch.Generator().manual_seed(seed)
@@ -322,8 +360,8 @@ def check_arm(engine: SamplingEngine, reference: Reference | None, prompts: Sequ
             # the whole sequences; keys carry the prompt
             for name, width in (("two-sample first token", 1), ("two-sample sequence", horizon)):
                 tests[name] = two_sample_fit(
-                    sequence_counts((i, *r[:width]) for i, rows in draws.items() for r in rows),
-                    sequence_counts((i, *r[:width]) for i, rows in plain.items() for r in rows))
+                    sequence_counts((*key, *r[:width]) for key, rows in draws.items() for r in rows),
+                    sequence_counts((*key, *r[:width]) for key, rows in plain.items() for r in rows))
                 result.covered[name] = 1.0
     except EngineFault as exc:
         result.status, result.fault = "engine fault", str(exc)
@@ -344,16 +382,16 @@ def check_arm(engine: SamplingEngine, reference: Reference | None, prompts: Sequ
     return result
 
 
-def _predicted_power(counts: dict[int, int], prompts: Sequence[Sequence[int]], reference: Reference, arm: Arm,
-                     level: float) -> float:
-    """The first-token statistic's chance of rejecting a control drawn ``counts[i]`` times on
-    prompt i: the served law (at the served temperature) against the claimed one, the prompts'
-    non-centralities and degrees of freedom summed as the statistic sums them (the later
-    positions only add to it)."""
+def _predicted_power(counts: dict[tuple[int, float], int], prompts: Sequence[Sequence[int]], reference: Reference,
+                     arm: Arm, level: float) -> float:
+    """The first-token statistic's chance of rejecting a control drawn ``counts[i, T]`` times on
+    prompt i and tested at T: the served law (at the served temperature) against the claimed
+    one, the groups' non-centralities and degrees of freedom summed as the statistic sums them
+    (the later positions only add to it)."""
     lam, df = 0.0, 0
-    for i, n in counts.items():
-        (_, claimed), = reference.laws(prompts[i], [()], arm.claimed)
-        (_, served), = reference.laws(prompts[i], [()], arm.temperature)
+    for (i, t), n in counts.items():
+        (_, claimed), = reference.laws(prompts[i], [()], t)
+        (_, served), = reference.laws(prompts[i], [()], arm.served_for(t))
         l, d, _ = noncentrality(served, claimed, n)
         lam, df = lam + l, df + d
     return power(df, lam, level)
@@ -372,7 +410,7 @@ def sized_control(arm: Arm, prompts: Sequence[Sequence[int]], reference: Referen
     N = 500 had a predicted power of 0.04)."""
     for factor in (1, 2, 4, CONTROL_MAX_FACTOR):
         n = arm.n * factor
-        counts = dict(enumerate(_split(n, len(prompts))))
+        counts = Counter((i, t) for i, m in enumerate(_split(n, len(prompts))) for t in arm.claims(m))
         if factor == CONTROL_MAX_FACTOR or _predicted_power(counts, prompts, reference, arm, level) >= CONTROL_POWER:
             return replace(arm, n=n)
     return arm
@@ -463,6 +501,10 @@ def run_arms(engine: SamplingEngine, reference: Reference | None, prompts: Seque
     """Every arm of a case on one started engine, with a progress bar of requests."""
     from tqdm.auto import tqdm
 
+    # a mixed control (requests served at a neighbour's temperature) is rejected only against a
+    # reference: an engine's own laws are those of the temperatures it served, and speculation off
+    # serves the same ones
+    arms = [a for a in arms if reference is not None or not (a.control and a.mix)]
     results = []
     with tqdm(total=sum(a.n for a in arms), desc=engine.name, unit="req", disable=progress is None,
               leave=False) as bar:
@@ -480,6 +522,10 @@ def run_arms(engine: SamplingEngine, reference: Reference | None, prompts: Seque
             results.append(check_arm(engine, reference, prompts, arm, level, seed + 100_000_007 * k, horizon,
                                      baseline, bar.update))
     return results
+
+
+def _served(arm: Arm) -> str:
+    return "/".join(f"{t:g}" for t in arm.mix) if arm.mix else f"{arm.temperature:g}"
 
 
 def run_level(clean_arms: int, statistics: int, alpha: float = ALPHA) -> float:

@@ -119,23 +119,27 @@ class SimulatedEngine:
     def __exit__(self, *exc: Any) -> None:
         pass
 
-    def sample(self, prompt: Sequence[int], n_tokens: int, temperature: float, seeds: Sequence[int],
-               progress: Callable[[int], None] | None = None) -> Sampled:
-        """All requests at once, round by round (vectorised: 10⁵ requests take seconds); the
-        random numbers come from one generator seeded with every request's seed."""
+    def sample(self, prompt: Sequence[int], n_tokens: int, temperature: float | Sequence[float],
+               seeds: Sequence[int], progress: Callable[[int], None] | None = None) -> Sampled:
+        """All requests at once, round by round (vectorised: 10⁵ requests take seconds), each at
+        its own temperature when given one per seed; the random numbers come from one generator
+        seeded with every request's seed."""
         import numpy as np
 
         V, m = self.reference.vocab, len(seeds)
-        p = torch.stack([self.reference.law(i, temperature) for i in range(V)]).numpy()
-        q = torch.stack([self.drafter.law(i, temperature) for i in range(V)]).numpy()
+        temps = [float(temperature)] * m if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
+        levels = sorted(set(temps))
+        level = np.array([levels.index(t) for t in temps], dtype=np.int64)  # each request's row of the tables
+        p = np.stack([torch.stack([self.reference.law(i, t) for i in range(V)]).numpy() for t in levels])
+        q = np.stack([torch.stack([self.drafter.law(i, t) for i in range(V)]).numpy() for t in levels])
         residual = np.maximum(p - q, 0.0)
         residual /= residual.sum(-1, keepdims=True)
         cdf = {name: np.cumsum(law, -1) for name, law in (("p", p), ("q", q), ("r", residual))}
         rng = np.random.default_rng(list(seeds))
 
-        def draw(name: str, ctx: np.ndarray) -> np.ndarray:
+        def draw(name: str, who: np.ndarray, ctx: np.ndarray) -> np.ndarray:
             u = rng.random(ctx.size)
-            return np.minimum((cdf[name][ctx] < u[:, None]).sum(-1), V - 1)
+            return np.minimum((cdf[name][level[who], ctx] < u[:, None]).sum(-1), V - 1)
 
         out = np.full((m, n_tokens), -1, dtype=np.int64)
         length = np.zeros(m, dtype=np.int64)
@@ -154,21 +158,21 @@ class SimulatedEngine:
                 drafting = at[room[at] > j] if j < self.gamma else at[:0]
                 bonus = np.setdiff1d(at, drafting)
                 if bonus.size:  # every draft accepted (or none fit): the bonus token from p
-                    self._emit(out, length, live[bonus], draw("p", ctx[bonus]))
+                    self._emit(out, length, live[bonus], draw("p", live[bonus], ctx[bonus]))
                     going[bonus] = False
                 if drafting.size == 0:
                     continue
-                c = ctx[drafting]
-                x = draw("q", c)
+                c, who = ctx[drafting], live[drafting]
+                x = draw("q", who, c)
                 drafted += drafting.size
-                a = np.minimum(1.0, (1 + self.over) * p[c, x] / q[c, x])
+                a = np.minimum(1.0, (1 + self.over) * p[level[who], c, x] / q[level[who], c, x])
                 ok = rng.random(drafting.size) < a
                 accepted += int(ok.sum())
                 self._emit(out, length, live[drafting[ok]], x[ok])
                 ctx[drafting[ok]] = x[ok]
                 rejected = drafting[~ok]
                 if rejected.size:
-                    self._emit(out, length, live[rejected], draw("r", c[~ok]))
+                    self._emit(out, length, live[rejected], draw("r", who[~ok], c[~ok]))
                     going[rejected] = False
             last[live] = out[live, length[live] - 1]
         if progress:
@@ -338,13 +342,15 @@ class LlamaServerEngine:
         tops = entry.get("top_logprobs") or entry.get("probs") or []
         return {int(t["id"]): (math.exp(t["logprob"]) if "logprob" in t else float(t["prob"])) for t in tops}
 
-    def sample(self, prompt: Sequence[int], n_tokens: int, temperature: float, seeds: Sequence[int],
-               progress: Callable[[int], None] | None = None) -> Sampled:
+    def sample(self, prompt: Sequence[int], n_tokens: int, temperature: float | Sequence[float],
+               seeds: Sequence[int], progress: Callable[[int], None] | None = None) -> Sampled:
         prompt = tuple(prompt)
         self._warm(prompt)
+        temps = [temperature] * len(seeds) if isinstance(temperature, (int, float)) else list(temperature)
 
-        def one(seed: int) -> tuple[list[int], int, int]:
-            reply = self._request(prompt, n_tokens, temperature, seed)
+        def one(job: tuple[int, float]) -> tuple[list[int], int, int]:
+            seed, t = job
+            reply = self._request(prompt, n_tokens, float(t), seed)
             timings = reply.get("timings", {})
             if progress:
                 progress(1)
@@ -355,7 +361,7 @@ class LlamaServerEngine:
         # the client's HTTP round trip (the slot, its cache and its passes stay those of one stream)
         pool = ThreadPoolExecutor(2)
         try:
-            replies = list(pool.map(one, seeds))
+            replies = list(pool.map(one, zip(seeds, temps)))
         finally:
             # on Ctrl-C or an error, the requests not yet sent are dropped (not waited for): the
             # server is stopped right after
@@ -431,18 +437,22 @@ class VllmEngine:
         return AutoTokenizer.from_pretrained(str(self.model), local_files_only=True)(
             text, add_special_tokens=False)["input_ids"]
 
-    def sample(self, prompt: Sequence[int], n_tokens: int, temperature: float, seeds: Sequence[int],
-               progress: Callable[[int], None] | None = None, claimed: float | None = None) -> Sampled:
-        claimed = temperature if claimed is None else claimed
-        if claimed == 1.0:
+    def sample(self, prompt: Sequence[int], n_tokens: int, temperature: float | Sequence[float],
+               seeds: Sequence[int], progress: Callable[[int], None] | None = None,
+               claimed: float | Sequence[float] | None = None) -> Sampled:
+        served = [float(temperature)] * len(seeds) if isinstance(temperature, (int, float)) else list(temperature)
+        claims = served if claimed is None else (
+            [float(claimed)] * len(seeds) if isinstance(claimed, (int, float)) else list(claimed))
+        if all(c == 1.0 for c in claims):
             mode = "raw_logprobs"
-        elif claimed == temperature:
+        elif claims == served:
             mode = "processed_logprobs"
         else:
             raise EngineFault(f"{self.name}: vLLM returns its law at T = 1 (raw) or at the served temperature "
-                              f"(processed), not at {claimed}")
+                              f"(processed), not at {sorted(set(claims))}")
         proc = self._proc(mode)
-        reply = self._send(proc, {"prompt": list(prompt), "max_tokens": n_tokens, "temperature": temperature,
+        # one temperature per request (a mixed arm's differ within the batch vLLM runs)
+        reply = self._send(proc, {"prompt": list(prompt), "max_tokens": n_tokens, "temperature": served,
                                   "seeds": list(seeds), "logprobs": self.logprobs})
         if progress:
             progress(len(seeds))
@@ -614,6 +624,9 @@ def _run_case(case: EngineCase, arms: Sequence[Arm], level: float, seed: int, th
         with engine, plain:
             prompts = [engine.tokenize(p) for p in PROMPTS]
             report.arms = run_arms(engine, None, prompts, arms, level, seed, baseline=plain, progress=progress)
+        if any(a.control and a.mix for a in arms):
+            report.notes.append("the mixed arm's control (each request served at a neighbour's temperature) is not run: "
+                                "without a reference it cannot be told apart (vLLM's laws are those it served)")
     else:
         gguf = _target_gguf()
         flags = list(case.flags)

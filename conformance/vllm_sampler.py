@@ -13,6 +13,8 @@ Every later line is one set of requests::
 
     {"prompt": [ids], "max_tokens": 4, "temperature": 1.0, "seeds": [..], "logprobs": 20}
 
+(``temperature`` may also be a list, one per seed: requests at different temperatures in one batch)
+
 answered with ``{"tokens": [[..]], "laws": [[[ids, probs], ...]], "drafted": D, "accepted": A}``:
 per request and position the top ``logprobs`` tokens of the law vLLM reports (raw: the target's at
 T = 1; processed: after temperature) — only tokens of rank ≤ ``logprobs``, so that which tokens are
@@ -64,10 +66,13 @@ def main() -> int:
         try:
             req = json.loads(line)
             k = int(req["logprobs"])
-            params = [SamplingParams(temperature=float(req["temperature"]), top_k=0, top_p=1.0, min_p=0.0,
+            # one temperature for every request, or one each (a mixed arm: one batch, several settings)
+            temps = req["temperature"]
+            temps = temps if isinstance(temps, list) else [temps] * len(req["seeds"])
+            params = [SamplingParams(temperature=float(t), top_k=0, top_p=1.0, min_p=0.0,
                                      presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
                                      max_tokens=int(req["max_tokens"]), ignore_eos=True, seed=int(s), logprobs=k)
-                      for s in req["seeds"]]
+                      for s, t in zip(req["seeds"], temps)]
             before = _spec_counters(llm)
             results = llm.generate([{"prompt_token_ids": req["prompt"]}] * len(params), params, use_tqdm=False)
             after = _spec_counters(llm)
