@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -201,6 +202,57 @@ def load_state(directory: Path, model, optimizer) -> tuple[int, float]:
     return int(meta["step"]), float(meta["seconds"])
 
 
+# -- the imported drafter computes what DeepSpec's computes --------------------------------------
+
+
+def import_check(model, ds, feature, imported: Path, target, anchors: int) -> dict:
+    """DeepSpec's draft logits and confidences on one sequence against those of ``specforge
+    import``'s checkpoint of the same weights, on the same anchors (float32 both): the comparison of
+    the two trainings is only about training if this agrees."""
+    import torch
+
+    from specforge.toolkit.layers import SharedWeights
+    from specforge_plugins.drafters.block.checkpoint import load_drafter
+
+    common = sys.modules["deepspec.modeling.dspark.common"]
+    reference = model.float().eval()
+    with torch.no_grad():  # the target's own frozen tensors, not their bf16 copies: what the import reads
+        reference.embed_tokens.weight.copy_(target.runtime.embed.float())
+        reference.lm_head.weight.copy_(target.runtime.lm_head.float())
+    f = feature
+    ids, mask = f.input_ids[None], f.loss_mask[None]
+    ctx = f.taps.flatten(1)[None].float()
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    anchor_pos, keep = common.sample_anchor_positions(seq_len=ids.shape[1], loss_mask=mask, num_anchors=anchors,
+                                                      device=ids.device)
+    torch.set_rng_state(state)  # DeepSpec's forward draws the same anchors from the same state
+    with torch.no_grad():
+        theirs = reference(input_ids=ids, target_hidden_states=ctx, loss_mask=mask,
+                           target_last_hidden_states=f.hidden[None].float())
+        backbone, head, confidence, _ = load_drafter(imported)
+        backbone = backbone.float().eval().bind(SharedWeights.from_target(target.runtime))
+        for module in (head, confidence):
+            if module is not None:
+                module.bind(target)
+        a = anchor_pos[0][keep[0]]
+        block = backbone.make_block(ids[0, a])
+        hidden, logits = backbone(block, ctx, a, ctx_index=torch.zeros(len(a), dtype=torch.long))
+        prev = torch.cat([ids[0, a][:, None], theirs.target_ids[0][keep[0]][:, :-1]], dim=1)
+        if head is not None:
+            logits = head.forward_train(logits, prev, hidden)
+        conf = confidence.logits(hidden, prev) if confidence is not None else None
+    valid = theirs.eval_mask[0][keep[0]]
+    d_logits = (logits - theirs.draft_logits[0][keep[0]].float())[valid].abs().max()
+    mine_top, theirs_top = logits.argmax(-1)[valid], theirs.draft_logits[0][keep[0]].argmax(-1)[valid]
+    out = {"blocks": int(keep.sum()), "max_abs_logit_diff": float(d_logits),
+           "logit_scale": float(theirs.draft_logits[0][keep[0]][valid].abs().max()),
+           "argmax_agreement": float((mine_top == theirs_top).float().mean())}
+    if conf is not None and theirs.confidence_pred is not None:
+        out["max_abs_confidence_diff"] = float((conf - theirs.confidence_pred[0][keep[0]])[valid].abs().max())
+    return out
+
+
 # -- the run --------------------------------------------------------------------------------------
 
 
@@ -246,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     from specforge.features import FeatureCache
     from specforge.machine import machine
     from specforge.target import TargetModel
+    from specforge.toolkit.formats import rope_theta as rope_base
     from specforge.training.data import epoch_order
 
     ds = import_deepspec(args.deepspec.expanduser())
@@ -255,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     target = TargetModel.load(args.target or cache.manifest.target_name, dtype="float32")
     cache = FeatureCache(args.features, target)  # now also checked against the target that wrote it
     rt = target.runtime
-    hd = cache.manifest.target_args["head_dim"]
-    rope_theta = float(rt.inv_freq[1].double() ** (-hd / 2)) if len(rt.inv_freq) > 1 else 10000.0
+    rope_theta = rope_base(target.hf_model.config.to_dict()) or 10000.0
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -358,7 +410,18 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     drafter = out / "drafter"
     model.save_pretrained(str(drafter), safe_serialization=True)
-    print(f"saved {drafter}; bring it in with: specforge import {drafter} --out {out / 'imported'}")
+    from specforge.interop import import_checkpoint
+
+    imported = out / "imported"
+    if imported.exists():
+        shutil.rmtree(imported)
+    import_checkpoint(drafter, imported, "deepspec", target)
+    check = import_check(model, ds, by_index[held[0] if held else 0], imported, target, min(args.anchors, 64))
+    run["import_check"] = check
+    (out / "run.json").write_text(json.dumps(run, indent=2))
+    print(f"saved {drafter} (DeepSpec's layout) and {imported} (specforge import); on {check['blocks']} blocks "
+          f"the imported drafter's logits differ from DeepSpec's by at most {check['max_abs_logit_diff']:.2e} "
+          f"(logits up to {check['logit_scale']:.1f})")
     dist.destroy_process_group()
     return 0
 

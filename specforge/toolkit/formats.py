@@ -119,8 +119,9 @@ def check_shapes(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]
 def drop_frozen(tensor: Tensor, reference: Tensor | None, key: str, what: str, where: Path) -> str:
     """A re-stored copy of one of the target's frozen tensors (its embedding, its LM head): checked
     equal to the bound target's ``reference`` when there is one, then dropped — the drafter reads
-    the target's own.  Returns the note."""
-    if reference is not None and not torch.equal(tensor.to(reference.dtype), reference):
+    the target's own.  Compared in the checkpoint's dtype: a drafter trained in bf16 re-stores the
+    target's float32 tensor rounded to bf16 (DeepSpec's do).  Returns the note."""
+    if reference is not None and not torch.equal(tensor, reference.to(tensor.dtype)):
         raise InteropError(f"{where}: its {key!r} is not the target's {what} (another target?)")
     return (f"dropped {key!r}: the drafter reads the target's own {what}"
             + ("" if reference is None else " (checked equal to the bound target's)"))
