@@ -41,7 +41,7 @@ from specforge_conformance.combos import SLOTS, Combination
 from specforge_conformance.exact import ExactLaw, ReferenceSpec, exact_law, reference_target, sampling_target
 from specforge_conformance.rounds import RoundRecorder
 from specforge_conformance.stats import (Band, FitResult, band_detectable, conditional_fit, detectable_tv,
-                                         goodness_of_fit, impossible_detectable)
+                                         goodness_of_fit, impossible_detectable, merge_cells)
 
 __all__ = ["CASE_THREADS", "MIN_TAU", "MIN_VERIFIED", "STATISTICS", "Case", "CaseResult", "Setting", "check_case",
            "exercised", "informative", "pilot", "run_case", "setting_label", "shares", "torch_threads"]
@@ -212,7 +212,8 @@ class CaseResult:
         smallest TV between that setting's law of sequences and the exact one that is detected
         with probability ≥ 99 % under the two-stage rule).  A deviation in one setting alone gives
         the summed chi-square λ ≥ 4·n_s·t²; a greedy setting's law is a point mass, where any
-        deviation is a draw of probability 0 and fails at once (t with 1 − (1 − t)^n_s = 99 %).
+        deviation is a draw of probability 0 and fails at once (t with 1 − (1 − t)^n_s = 99 %); a law
+        so peaked that its cells pool into one at n_s is tested for impossible draws only (``inf``).
         Empty for a homogeneous case."""
         if not self.case.mix or self.counts is None:
             return []
@@ -221,6 +222,8 @@ class CaseResult:
             n = int(row.sum())
             if int((law.probs > 0).sum()) == 1:
                 t = impossible_detectable(n)
+            elif n == 0 or int(merge_cells(law.probs, n).max()) < 1:  # (no chi-square of its own in the sum)
+                t = math.inf
             else:
                 t = detectable_tv(replace(fit, information=4.0 * n), self.level, screen=SCREEN, factor=RERUN_FACTOR)
             out.append((setting, n, t))

@@ -23,8 +23,8 @@ verifier   ``shadow`` with a per-position spike (long accepted prefixes, rejecti
            settings
 drafter    the drafter with ``rejection`` and ``fixed`` at T = 1, and at T = 0.8 with top-p 0.9
            (its reported q checked slot by slot by the draft-law statistic); a drafter that
-           samples also in a mixed case (:data:`PROBE_MIX`), where it must warp each row with
-           that row's settings, or report the law it did use
+           samples also in a mixed case (:data:`PROBE_MIX`, at half its N), where it must warp
+           each row with that row's settings, or report the law it did use
 confidence ``random`` (sequential, peaked) → the estimator → ``probe-median``: a slot is verified
            when its confidence is at least the batch's median there — so a confidence that reads
            x_k decides on x_k
@@ -57,6 +57,7 @@ from specforge_conformance.drafters import SUITE_DRAFTERS
 from specforge_conformance.exact import FAMILIES
 from specforge_conformance.harness import CASE_THREADS, Case, pilot, shares
 from specforge_conformance.stats import FitResult, detectable_tv, merge_cells
+from specforge_conformance.strategies import MIXED_SHARE
 
 __all__ = ["PROBE_MIX", "PROBE_ONLY", "MedianScheduler", "PrevTokenConfidence", "probe_cases", "size_case"]
 
@@ -203,7 +204,8 @@ def probe_cases(host: PluginHost, kind: ComponentKind, name: str, n: int, seed: 
         cases = [_finish(Case(pipeline=pipeline, batch=256), n, seed, "drafter"),
                  _finish(Case(pipeline=pipeline, batch=256, temperature=0.8, top_p=0.9), n, seed + 1, "drafter")]
         if not meta.deterministic:  # a drafter that samples may warp its laws: with each row's own settings?
-            cases.append(_finish(_mixed(Case(pipeline=pipeline, batch=256)), n, seed + 2, "drafter"))
+            # (at the share of N a combination's mixed case gets: its draft-law strata need no more)
+            cases.append(_finish(_mixed(Case(pipeline=pipeline, batch=256)), int(n * MIXED_SHARE), seed + 2, "drafter"))
         return cases
     if kind is ComponentKind.CONFIDENCE:
         if not meta.pre_token:
