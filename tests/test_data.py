@@ -299,6 +299,35 @@ def test_mask_with_the_smollm2_tokenizer():
     assert sum(mask) == expected
 
 
+def test_a_reply_keeps_the_ids_the_target_wrote_where_the_text_tokenises_otherwise():
+    """SmolLM2 writes a paragraph break as one token where its tokenizer, given the text, makes two:
+    training must see the target's own ids (regeneration keeps them as ``token_ids``)."""
+    from transformers import AutoTokenizer
+
+    from specforge.target.loading import TargetLoadError, resolve_model
+
+    try:
+        directory, gguf = resolve_model("smollm2")
+    except TargetLoadError as exc:
+        pytest.skip(str(exc))
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf, local_files_only=True)
+    blank = tokenizer.convert_tokens_to_ids("ĊĊ")  # "\n\n" as one token
+    said = tokenizer("Sure", add_special_tokens=False)["input_ids"] + [blank] \
+        + tokenizer("1. Yes", add_special_tokens=False)["input_ids"]
+    text = tokenizer.decode(said)
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] != said  # the text does not give them back
+    messages = [{"role": "user", "content": "List one."}, {"role": "assistant", "content": text, "token_ids": said}]
+    out = tokenize_conversation(tokenizer, messages)
+    ids, mask = out.input_ids.tolist(), out.loss_mask.tolist()
+    prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"]
+    assert ids[:len(prompt)] == prompt and mask[:len(prompt)] == [0] * len(prompt)  # what the target answered
+    assert ids[len(prompt):len(prompt) + len(said)] == said  # what it wrote, as it wrote it
+    assert tokenizer.decode([i for i, m in zip(ids, mask) if m]) == text + "<|im_end|>"
+    plain = tokenize_conversation(tokenizer, [messages[0], {"role": "assistant", "content": text}])
+    assert plain.input_ids.tolist() != ids  # without the ids: the text's own tokens, as before
+
+
 def test_mask_without_offsets_uses_tokenised_prefixes(tiny_tokenizer):
     class SlowTokenizer:
         """The tiny tokenizer seen as a slow one: no offset mapping."""

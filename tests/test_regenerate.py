@@ -111,6 +111,8 @@ def test_assistant_turns_are_the_engines_answers(target, reference):
     direct = engine.generate([GenerationRequest(prompt=conv[:3], seed=turn_seed("c1", 1, 0), max_new_tokens=6,
                                                 temperature=1.0, top_k=0, top_p=1.0)])[0]
     assert direct.text == conv[3]["content"]
+    written = direct.token_ids[:-1] if direct.finish_reason == "eos" else direct.token_ids
+    assert conv[3]["token_ids"] == written  # the ids as the target wrote them, for training
     assert records["c1"]["meta"]["new_tokens"][1] == len(direct.token_ids)
     assert records["c1"]["meta"]["finish_reasons"][1] == direct.finish_reason
     assert list(c.id for c in iter_regenerated(out)) == list(records)

@@ -9,7 +9,8 @@ sentence, or a template that rewrites content, would fool a search).  Instead th
 rendered by the tokenizer's own chat template prefix by prefix: ``messages[:i]`` with the
 generation prompt marks where reply ``i`` starts, ``messages[:i+1]`` where it ends.  The full text
 is then tokenised once and each token is assigned to the span it falls in, so a merge of characters
-across a span boundary cannot shift the mask.
+across a span boundary cannot shift the mask.  A reply that carries the ids the target wrote
+(:data:`WRITTEN_IDS`) keeps them: text → tokens is not the inverse of tokens → text.
 """
 
 from __future__ import annotations
@@ -23,10 +24,16 @@ __all__ = [
     "ChatTemplateError",
     "Conversation",
     "TokenizedChat",
+    "WRITTEN_IDS",
     "assistant_spans",
     "normalize_message",
+    "reply_spans",
     "tokenize_conversation",
 ]
+
+#: The key of an assistant message that holds the token ids the target wrote for it (regeneration
+#: keeps them): tokenisation splices them in instead of tokenising the reply's text again.
+WRITTEN_IDS = "token_ids"
 
 # ShareGPT and similar dumps name the speakers differently; everything maps onto the three roles a
 # chat template understands.  "chatgpt", "bing" and "bard" are the assistant in ShareGPT exports of
@@ -105,7 +112,15 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: b
 
 
 def assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans ``[start, end)`` of its assistant replies.
+    """The rendered conversation and the character spans ``[start, end)`` of its assistant replies
+    (:func:`reply_spans` without the message indices)."""
+    text, spans = reply_spans(tokenizer, messages)
+    return text, [(start, end) for _, start, end in spans]
+
+
+def reply_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int, int]]]:
+    """The rendered conversation and, per assistant reply, ``(message index, start, end)``: the
+    character span ``[start, end)`` of the reply.
 
     A span starts where the template's generation prompt for that reply ends and stops after the
     reply's end-of-turn marker; trailing whitespace the template adds between turns is left out,
@@ -113,7 +128,7 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str
     message that opens the conversation gets no span: it answers no prompt.
     """
     text = _render(tokenizer, messages, generation_prompt=False)
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, int, int]] = []
     for i, message in enumerate(messages):
         # A reply that opens the conversation answers no prompt: the target never writes one, and
         # templates disagree on what precedes it (some refuse an empty prefix, some insert a
@@ -134,7 +149,7 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str
             raise ChatTemplateError(f"the generation prompt for message {i} is not a prefix of its reply")
         end = len(through.rstrip())
         if end > len(before):
-            spans.append((len(before), end))
+            spans.append((i, len(before), end))
     return text, spans
 
 
@@ -155,6 +170,40 @@ def _mask_from_offsets(offsets: list[tuple[int, int]], spans: Iterable[tuple[int
         if any(lo < end and hi > start for start, end in spans):
             mask[t] = 1
     return mask
+
+
+def _splice_written(tokenizer: Any, text: str, spans: list[tuple[int, int, int]], messages: list[dict[str, str]],
+                    written: dict[int, list[int]]) -> tuple[list[int], list[int]]:
+    """Ids and assistant mask of the rendered ``text``; a reply whose message carries the ids the
+    target wrote (:data:`WRITTEN_IDS`, kept by regeneration) keeps those ids instead of the text's
+    tokenisation.
+
+    Decoding and tokenising again is not the identity for a byte-pair tokenizer: SmolLM2 writes a
+    paragraph break as one token ("\\n\\n") where its tokenizer, given the text, makes two.  A
+    drafter trained on the text's tokens would learn tokens the target never writes at exactly
+    those places.  The text is tokenised piece by piece between the spliced replies: the piece
+    before a reply is the generation prompt the target answered, tokenised as it was.  A reply
+    the template rendered differently from its content (stripped, say) keeps the text's tokens.
+    """
+    pieces: list[tuple[int, int, list[int] | None]] = []  # (start, end, ids or None: tokenise the text)
+    at = 0
+    for i, start, _ in spans:
+        content = messages[i]["content"]
+        if i in written and text.startswith(content, start):
+            pieces += [(at, start, None), (start, start + len(content), written[i])]
+            at = start + len(content)
+    pieces.append((at, len(text), None))
+    ids: list[int] = []
+    mask: list[int] = []
+    for lo, hi, kept in pieces:
+        if kept is not None:
+            ids += kept
+            mask += [1] * len(kept)
+        elif hi > lo:
+            piece, offsets = _token_boundaries(tokenizer, text[lo:hi])
+            ids += piece
+            mask += _mask_from_offsets([(a + lo, b + lo) for a, b in offsets], [(s, e) for _, s, e in spans])
+    return ids, mask
 
 
 def _mask_from_prefix_ids(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -192,18 +241,18 @@ def tokenize_conversation(
     """
     import torch
 
-    messages = conversation.messages if isinstance(conversation, Conversation) else conversation
-    messages = [normalize_message(m) for m in messages]
+    raw = conversation.messages if isinstance(conversation, Conversation) else conversation
+    messages = [normalize_message(m) for m in raw]
     if not messages:
         raise ValueError("an empty conversation has nothing to tokenise")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ChatTemplateError("the tokenizer has no chat template")
-    text, spans = assistant_spans(tokenizer, messages)
+    text, spans = reply_spans(tokenizer, messages)
+    written = {i: list(m[WRITTEN_IDS]) for i, m in enumerate(raw) if isinstance(m, Mapping) and m.get(WRITTEN_IDS)}
     if getattr(tokenizer, "is_fast", False):
-        ids, offsets = _token_boundaries(tokenizer, text)
-        mask = _mask_from_offsets(offsets, spans)
+        ids, mask = _splice_written(tokenizer, text, spans, messages, written)
     else:
-        ids, mask = _mask_from_prefix_ids(tokenizer, text, spans)
+        ids, mask = _mask_from_prefix_ids(tokenizer, text, [(lo, hi) for _, lo, hi in spans])
     truncated = max_length is not None and len(ids) > max_length
     if truncated:
         ids, mask = ids[:max_length], mask[:max_length]

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge.errors import SpecforgeError
-from specforge.data.chat import Conversation, normalize_message
+from specforge.data.chat import WRITTEN_IDS, Conversation, normalize_message
 from specforge.files import remove_leftovers, write_atomic
 from specforge.resume import UnreadableRecord, read_record, refuse_other_settings, write_record
 
@@ -383,7 +383,10 @@ class _Run:
         self.report.new_tokens += len(out.token_ids)
         if out.finish_reason == FinishReason.ERROR:
             return self._cut_short(work, out.error or "the engine failed this request")
-        work.messages.append({"role": "assistant", "content": out.text})
+        # The ids as written (without the end-of-sequence id the template's end of turn renders):
+        # training splices them in, since tokenising the text again need not give them back.
+        written = out.token_ids[:-1] if out.finish_reason == FinishReason.EOS else out.token_ids
+        work.messages.append({"role": "assistant", "content": out.text, WRITTEN_IDS: list(written)})
         work.finish_reasons.append(out.finish_reason)
         work.new_tokens.append(len(out.token_ids))
         work.turn += 1
