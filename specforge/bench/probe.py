@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from specforge.bench.runner import Report, add_output_arguments, bench_command
 from specforge.machine import machine
 
-__all__ = ["COMMAND", "REPORT", "ProbeData", "fit_probe", "probe_rows", "run_probe", "table"]
+__all__ = ["COMMAND", "REPORT", "ProbeData", "fit_probe", "probe_rows", "replay_block_drafter", "run_probe", "table"]
 
 
 class ProbeData:
@@ -175,21 +175,55 @@ def run_probe(features_dir: str | Path, offsets: int = 4, vocab: int = 8192, hel
         },
     }
     if drafter is not None:
-        result["drafter"] = {"name": drafter, **_drafter_rates(drafter)}
+        result["drafter"] = {"held_out": replay_block_drafter(drafter, test_f, target),
+                             "trained_on": replay_block_drafter(drafter, train_f[:held_out], target)}
     return result
 
 
-def _drafter_rates(drafter: str) -> dict[str, Any]:
-    """A trained run's last held-out ``accept_rate@k`` (1 − TV at T = 1) from its metrics.jsonl."""
-    import json
+def replay_block_drafter(checkpoint: str, features: list[Any], target: Any) -> dict[str, Any]:
+    """A trained block drafter (``dspark``/``dflash`` checkpoint) on the sequences' answers, the way
+    training sees them: per slot, the top-1 agreement of its teacher-forced draft (the correction
+    head given the true previous token) with the token; then the greedy rounds the engine would
+    run over the same text — anchor, accept the drafts while they match, the target's token, next
+    anchor — and their τ.  Teacher-forced agreement is the conditional acceptance of a chain at
+    T = 0 (a draft is only verified after its predecessors matched); the replay's first slot is
+    lower because rounds start where the last draft failed.  The same replay over the engine's own
+    output reproduces the engine's τ: the check that serving feeds the drafter what training did."""
+    from specforge.toolkit.layers import SharedWeights
+    from specforge_plugins.drafters.block.checkpoint import load_drafter
 
-    path = Path(drafter) / "metrics.jsonl"
-    if not path.is_file():
-        raise ValueError(f"--drafter {drafter}: no metrics.jsonl there (give a training run's output.dir)")
-    evals = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("split") == "eval"]
-    last = evals[-1] if evals else [r for r in map(json.loads, path.read_text().splitlines())][-1]
-    rates = [last[k] for k in sorted((k for k in last if k.startswith("accept_rate@")), key=lambda k: int(k[12:]))]
-    return {"split": last.get("split"), "step": last.get("step"), "accept_t1": rates}
+    backbone, head, _, _ = load_drafter(checkpoint)
+    backbone = backbone.float().eval().bind(SharedWeights.from_target(target.runtime))
+    if head is not None:
+        head.bind(target)
+    gamma, vocab = backbone.config.gamma, backbone.vocab
+    hits, seen = torch.zeros(gamma), torch.zeros(gamma)
+    rounds = tokens = 0
+    with torch.no_grad():
+        for f in features:
+            n, mask = len(f), f.loss_mask.bool()
+            a = torch.nonzero(mask[1:]).reshape(-1)  # every position whose next token is an answer token
+            if len(a) == 0:
+                continue
+            hidden, logits = backbone(backbone.make_block(f.input_ids[a]), f.taps.flatten(1)[None].float(), a,
+                                      ctx_index=torch.zeros(len(a), dtype=torch.long))
+            pos = a[:, None] + 1 + torch.arange(gamma)[None]
+            labels = f.input_ids[pos.clamp(max=n - 1)]
+            if head is not None:
+                logits = head.forward_train(logits, torch.cat([f.input_ids[a][:, None], labels[:, :-1]], 1), hidden)
+            pred = logits.argmax(-1) if vocab is None else vocab.to_target(logits.argmax(-1))
+            valid = torch.cumprod(((pos < n) & mask[pos.clamp(max=n - 1)]).long(), 1).bool()
+            hit = (pred == labels) & valid
+            hits += hit.float().sum(0)
+            seen += valid.float().sum(0)
+            run = torch.cumprod(hit.long(), 1).sum(1).tolist()  # drafts a round anchored here accepts
+            i = 0
+            while i < len(a):
+                rounds += 1
+                tokens += min(run[i] + 1, len(a) - i)
+                i += run[i] + 1
+    return {"checkpoint": str(checkpoint), "top1": (hits / seen.clamp_min(1)).tolist(),
+            "replay_tau": tokens / max(rounds, 1), "rounds": rounds}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -205,9 +239,9 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"| {name} | top-1 agreement | " + " | ".join(fmt(v) for v in p["top1"]) + " |")
         lines.append(f"| {name} | 1 − TV (T = 1) | " + " | ".join(fmt(v) for v in p["accept_t1"]) + " |")
     if "drafter" in result:
-        d = result["drafter"]
-        lines.append(f"| drafter {d['name']} ({d['split']}, step {d['step']}) | 1 − TV (T = 1) | "
-                     + " | ".join(fmt(v) for v in d["accept_t1"][:k]) + " |")
+        for split, d in result["drafter"].items():
+            lines.append(f"| drafter, {split.replace('_', ' ')} (replayed τ {fmt(d['replay_tau'])}) | top-1 agreement | "
+                         + " | ".join(fmt(v) for v in d["top1"][:k]) + " |")
     return "\n".join(lines)
 
 
@@ -220,8 +254,9 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
         ax = fig.add_subplot(1, 2, i + 1)
         for name, p in result["probes"].items():
             ax.plot(slots, p[measure], marker="o", label=name)
-        if measure == "accept_t1" and "drafter" in result:
-            ax.plot(slots, result["drafter"]["accept_t1"][:len(slots)], marker="s", label=result["drafter"]["name"])
+        if measure == "top1" and "drafter" in result:
+            for split, d in result["drafter"].items():
+                ax.plot(slots, d["top1"][:len(slots)], marker="s", label=f"drafter ({split.replace('_', ' ')})")
         ax.set_xlabel("draft slot k (predicts x_(a+k))")
         ax.set_ylabel(label)
         ax.set_ylim(0, 1)
@@ -240,8 +275,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--held-out", type=int, default=32, help="sequences held out from the end of the cache")
     p.add_argument("--max-rows", type=int, default=60000, help="training rows (a random subset)")
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--drafter", default=None, metavar="RUN_DIR",
-                   help="a training run on the same cache, whose held-out accept_rate@k goes beside the probes")
+    p.add_argument("--drafter", default=None, metavar="CHECKPOINT",
+                   help="a dspark/dflash checkpoint trained on this cache: its teacher-forced agreement per slot "
+                        "and the τ of greedy rounds replayed over the held-out and the trained-on answers")
     add_output_arguments(p, "runs/probe")
 
 
@@ -250,7 +286,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
     Per draft slot, a linear map of the fused taps before the anchor plus the anchor's embedding,
     read out through the target's own LM head, against the same map of the anchor alone; top-1
-    agreement and 1 − TV on held-out sequences.  Writes probe.json, table.md and probe.png.
+    agreement and 1 − TV on held-out sequences; with --drafter, a trained block drafter's own
+    teacher-forced agreement and the τ of greedy rounds replayed over the same answers (held out and
+    trained on: the memorisation check).  Writes probe.json, table.md and probe.png.
     """
     if not Path(args.features).is_dir():
         print(f"specforge bench probe: {args.features}: no such feature cache", file=sys.stderr)
