@@ -174,8 +174,7 @@ def save_state(directory: Path, model, optimizer, step: int, seconds: float) -> 
                 tensors[f"{key}.{i}"] = st[key].contiguous()
     save_file(tensors, str(tmp / "state.safetensors"))
     adam_step = next((float(s["step"]) for s in optimizer.optimizer.state.values() if "step" in s), 0.0)
-    (tmp / "state.json").write_text(json.dumps({"step": step, "adam_step": adam_step, "seconds": seconds,
-                                                "scheduler_epoch": optimizer.scheduler.last_epoch}))
+    (tmp / "state.json").write_text(json.dumps({"step": step, "adam_step": adam_step, "seconds": seconds}))
     if directory.exists():
         for f in directory.iterdir():
             f.unlink()
@@ -197,7 +196,9 @@ def load_state(directory: Path, model, optimizer) -> tuple[int, float]:
                 optimizer.optimizer.state[p] = {"step": torch.tensor(meta["adam_step"]),
                                                 "exp_avg": tensors[f"exp_avg.{i}"],
                                                 "exp_avg_sq": tensors[f"exp_avg_sq.{i}"]}
-    for _ in range(meta["scheduler_epoch"]):  # the scheduler's position, replayed (it is a pure function of it)
+    # The learning rate is a pure function of the steps taken: replay them.  (DeepSpec's warm-up
+    # scheduler stops counting its own last_epoch once the cosine takes over, so that is not it.)
+    for _ in range(int(meta["step"])):
         optimizer.scheduler.step()
     return int(meta["step"]), float(meta["seconds"])
 

@@ -166,14 +166,14 @@ def run_probe(features_dir: str | Path, offsets: int = 4, vocab: int = 8192, hel
     embed = target.runtime.embed.detach()
     result: dict[str, Any] = {
         "machine": machine(), "features": str(features_dir), "layers": cache.layer_ids, "offsets": offsets,
-        "vocab": len(vocab_ids), "rows": {"train": len(train), "test": len(test)},
-        "probes": {
+        "vocab": len(vocab_ids), "rows": {"train": len(train), "test": len(test)}, "probes": {}}
+    if epochs > 0:  # 0: only the drafter's replay
+        result["probes"] = {
             "taps + anchor": fit_probe(train, test, embed, target.runtime, vocab_ids, True, epochs, batch, lr, seed,
                                        progress),
             "anchor only": fit_probe(train, test, embed, target.runtime, vocab_ids, False, epochs, batch, lr, seed,
                                      progress),
-        },
-    }
+        }
     if drafter is not None:
         result["drafter"] = {"held_out": replay_block_drafter(drafter, test_f, target),
                              "trained_on": replay_block_drafter(drafter, train_f[:held_out], target)}
@@ -274,7 +274,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=8192, help="draft vocabulary: the most frequent training tokens")
     p.add_argument("--held-out", type=int, default=32, help="sequences held out from the end of the cache")
     p.add_argument("--max-rows", type=int, default=60000, help="training rows (a random subset)")
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2, help="passes over the probes' rows (0: no probes, only --drafter)")
     p.add_argument("--drafter", default=None, metavar="CHECKPOINT",
                    help="a dspark/dflash checkpoint trained on this cache: its teacher-forced agreement per slot "
                         "and the τ of greedy rounds replayed over the held-out and the trained-on answers")
