@@ -43,7 +43,7 @@ from specforge_conformance.rounds import RoundRecorder
 from specforge_conformance.stats import (Band, FitResult, band_detectable, conditional_fit, detectable_tv,
                                          goodness_of_fit, impossible_detectable, merge_cells)
 
-__all__ = ["CASE_THREADS", "MIN_TAU", "MIN_VERIFIED", "STATISTICS", "Case", "CaseResult", "Setting", "check_case",
+__all__ = ["CASE_THREADS", "IDLE_SHARE", "MIN_TAU", "MIN_VERIFIED", "MIXED_SHARE", "STATISTICS", "Case", "CaseResult", "Setting", "check_case",
            "exercised", "informative", "pilot", "run_case", "setting_label", "shares", "torch_threads"]
 
 RERUN_FACTOR = 10
@@ -52,6 +52,12 @@ RERUN_FACTOR = 10
 # wall / 49 CPU-s at 2 threads, 31 s / 30 CPU-s at 1 (AMD EPYC, 2 cores).  Several cores are
 # better spent on several seeds (``--seed/--seeds/--out``) or shards of one (``--shard``).
 CASE_THREADS = 1
+# A combination's mixed case runs at this share of its (homogeneous) case's N: it is there for the
+# per-row statistics (draft law, acceptance, emission, draws a row's own law rules out), which need
+# no more; and a case no pilot found informative at this share (IDLE_SHARE) — the two keep the
+# fast tier's cost where it was (docs/conformance.md, "Cost").
+MIXED_SHARE = 0.5
+IDLE_SHARE = 0.25
 SCREEN = 1e-3  # a statistic with p below this at N is measured again at 10·N
 # Every statistic a case can produce; the per-case level is shared among all of them (Bonferroni).
 STATISTICS = ("sequence", "independence", "cross-request", "draft law", "selection", "acceptance", "emission",

@@ -55,9 +55,8 @@ from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
 from specforge_conformance.drafters import SUITE_DRAFTERS
 from specforge_conformance.exact import FAMILIES
-from specforge_conformance.harness import CASE_THREADS, Case, pilot, shares
+from specforge_conformance.harness import CASE_THREADS, MIXED_SHARE, Case, pilot, shares
 from specforge_conformance.stats import FitResult, detectable_tv, merge_cells
-from specforge_conformance.strategies import MIXED_SHARE
 
 __all__ = ["PROBE_MIX", "PROBE_ONLY", "MedianScheduler", "PrevTokenConfidence", "probe_cases", "size_case"]
 

@@ -24,9 +24,10 @@ from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
 from specforge_conformance.combos import Combination
 from specforge_conformance.exact import FAMILIES
-from specforge_conformance.harness import CASE_THREADS, Case, Setting, informative, pilot, shares
+from specforge_conformance.harness import (CASE_THREADS, IDLE_SHARE, MIXED_SHARE, Case, Setting, informative, pilot,
+                                          shares)
 
-__all__ = ["CANDIDATES", "IDLE_SHARE", "MENU", "MIXED_SHARE", "case_strategy", "draw_cases", "informative_cases",
+__all__ = ["CANDIDATES", "MENU", "case_strategy", "draw_cases", "informative_cases",
            "mix_strategy", "mixed_case", "mixed_strategy", "params_strategy", "reads_settings"]
 
 # Drawn cases piloted per combination case, so that one in which verification happens is found
@@ -51,12 +52,6 @@ HORIZONS = (3, 2)
 # or three of them — more would split N too thinly for the per-setting sequence statistic.
 MENU: tuple[Setting, ...] = ((0.0, 0, 1.0), *((t, k, p) for t in (0.7, 1.0, 1.5) for k in (0, 3) for p in (1.0, 0.8)))
 MIX_SIZES = (2, 3)
-# A combination's mixed case runs at this share of its (homogeneous) case's N: it is there for the
-# per-row statistics (draft law, acceptance, emission, draws a row's own law rules out), which need
-# no more; and a case no pilot found informative at this share (IDLE_SHARE) — the two keep the
-# fast tier's cost where it was (docs/conformance.md, "Cost").
-MIXED_SHARE = 0.5
-IDLE_SHARE = 0.25
 
 
 def params_strategy(host: PluginHost, kind: ComponentKind, name: str) -> st.SearchStrategy[dict]:

@@ -7,7 +7,7 @@
 
 Each answer is put after its prompt's generation prompt (the ids the engine decoded from), the
 target computes the drafter's taps over it as the feature cache would, and
-:func:`specforge.bench.probe.replay_block_drafter` walks the greedy rounds.  The engine's own
+:func:`specforge_plugins.drafters.block.replay.replay_rounds` walks the greedy rounds.  The engine's own
 counts are printed beside it: if the two differ beyond the target's rounding, serving feeds the
 drafter something training did not.
 """
@@ -29,22 +29,21 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", help="the target's dtype in the engine run")
     args = p.parse_args()
 
-    from specforge.bench.probe import replay_block_drafter
+    from specforge.bench.probe import replayable_drafter
     from specforge.evalsets import read_prompt_file
     from specforge.features import compute_features
     from specforge.target import TargetModel
-    from specforge_plugins.drafters.block.checkpoint import load_drafter
 
     target = TargetModel.load(args.target, dtype=args.dtype)
     outputs = json.load(open(args.generated))
     prompts = read_prompt_file(args.prompts)
-    layers = load_drafter(args.checkpoint)[0].config.tap_layers
+    drafter = replayable_drafter(args.checkpoint, target)
     pairs = []
     for out, prompt in zip(outputs, prompts):
         ids = target.encode(prompt, chat=True)
         mask = torch.tensor([0] * len(ids) + [1] * len(out["tokens"]))
         pairs.append((torch.tensor(ids + out["tokens"]), mask))
-    replay = replay_block_drafter(args.checkpoint, compute_features(target, pairs, layers), target)
+    replay = drafter.replay(compute_features(target, pairs, drafter.feature_layers), target)
     rounds = sum(o["stats"]["rounds"] for o in outputs)
     tokens = sum(len(o["tokens"]) for o in outputs)
     accepted = [sum(o["stats"]["accepted_per_position"][k] for o in outputs) for k in range(len(replay["top1"]))]

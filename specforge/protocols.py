@@ -24,6 +24,9 @@ protocol                  method                                      kinds
 :class:`ObservesRounds`   ``observe(outcome)``                        calibrator, scheduler
 ========================  ==========================================  ============================
 
+One more is called by a bench, not the engine: :class:`Replays` (a drafter that can walk its greedy
+rounds over cached features on its training path, for ``specforge bench probe --drafter``).
+
 Whether a verifier takes token trees is not a method: it is declared when it registers
 (``trees=True``, :class:`specforge.registry.VerifierMeta`).
 """
@@ -41,7 +44,7 @@ from specforge.errors import SpecforgeError
 from specforge.hardware import DraftCost
 
 __all__ = ["OPTIONAL", "Binds", "CompanionWeights", "ComponentContractError", "DraftCostAware", "DraftGate",
-           "Learns", "LoadsWeights", "ObservesRounds", "Restricts", "SharesHead", "check_optional"]
+           "Learns", "LoadsWeights", "ObservesRounds", "Replays", "Restricts", "SharesHead", "check_optional"]
 
 
 class ComponentContractError(SpecforgeError, TypeError):
@@ -117,6 +120,15 @@ class ObservesRounds(Protocol):
     (never before its own round is scheduled)."""
 
     def observe(self, outcome: RoundOutcome) -> None: ...
+
+
+@runtime_checkable
+class Replays(Protocol):
+    """A drafter (loaded from a checkpoint and bound) that replays, over cached features of
+    finished text, the greedy rounds it would run there, the way training sees it: returns
+    ``{"top1": [agreement per slot, teacher-forced], "replay_tau", "rounds"}``."""
+
+    def replay(self, features: list[Any], target: Any) -> dict[str, Any]: ...
 
 
 # Per pipeline slot, the optional protocols the engine calls (and so checks).

@@ -17,8 +17,8 @@ from specforge_conformance.exact import ExactLaw, exact_law
 from specforge_conformance.harness import Case, independence, run_case
 from specforge_conformance.power import CASE_ALPHA, control_case, control_host
 from specforge_conformance.stats import DETECT, goodness_of_fit
-from specforge_conformance.strategies import (MENU, MIXED_SHARE, case_strategy, draw_cases, mixed_case,
-                                              reads_settings)
+from specforge_conformance.harness import MIXED_SHARE
+from specforge_conformance.strategies import MENU, case_strategy, draw_cases, mixed_case, reads_settings
 from specforge_conformance.suite import TIERS, plan, run_suite, suite_host
 
 MIX = ((1.0, 0, 1.0), (0.7, 3, 0.8), (0.0, 0, 1.0))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from specforge.bench.probe import replay_block_drafter
+from specforge.bench.probe import replayable_drafter
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.features import compute_features
@@ -30,10 +30,11 @@ def test_the_replay_on_the_training_path_walks_the_engines_rounds(tmp_path):
                     engine=EngineConfig(max_batch=1, max_context=96))
     outputs = engine.generate([GenerationRequest(prompt_ids=list(p), max_new_tokens=24, seed=i)
                                for i, p in enumerate(PROMPTS)])
-    save_drafter(tmp_path, drafter.backbone, head)
+    save_drafter(tmp_path, drafter.backbone, head, method="dspark")
     pairs = [(torch.tensor(list(p) + o.token_ids), torch.tensor([0] * len(p) + [1] * len(o.token_ids)))
              for p, o in zip(PROMPTS, outputs)]
-    replay = replay_block_drafter(str(tmp_path), compute_features(target, pairs, drafter.feature_layers), target)
+    replaying = replayable_drafter(str(tmp_path), target)  # found by the method its checkpoint records
+    replay = replaying.replay(compute_features(target, pairs, replaying.feature_layers), target)
     accepted = sum(sum(o.stats.accepted_per_position) for o in outputs)
     assert accepted > 0  # some drafts were right: the walk is tested on rounds of several lengths
     assert replay["rounds"] == sum(o.stats.rounds for o in outputs)

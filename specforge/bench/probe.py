@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from specforge.bench.runner import Report, add_output_arguments, bench_command
 from specforge.machine import machine
 
-__all__ = ["COMMAND", "REPORT", "ProbeData", "fit_probe", "probe_rows", "replay_block_drafter", "run_probe", "table"]
+__all__ = ["COMMAND", "REPORT", "ProbeData", "fit_probe", "probe_rows", "replayable_drafter", "run_probe", "table"]
 
 
 class ProbeData:
@@ -175,55 +175,26 @@ def run_probe(features_dir: str | Path, offsets: int = 4, vocab: int = 8192, hel
                                      progress),
         }
     if drafter is not None:
-        result["drafter"] = {"held_out": replay_block_drafter(drafter, test_f, target),
-                             "trained_on": replay_block_drafter(drafter, train_f[:held_out], target)}
+        replaying = replayable_drafter(drafter, target)
+        result["drafter"] = {"held_out": replaying.replay(test_f, target),
+                             "trained_on": replaying.replay(train_f[:held_out], target)}
     return result
 
 
-def replay_block_drafter(checkpoint: str, features: list[Any], target: Any) -> dict[str, Any]:
-    """A trained block drafter (``dspark``/``dflash`` checkpoint) on the sequences' answers, the way
-    training sees them: per slot, the top-1 agreement of its teacher-forced draft (the correction
-    head given the true previous token) with the token; then the greedy rounds the engine would
-    run over the same text — anchor, accept the drafts while they match, the target's token, next
-    anchor — and their τ.  Teacher-forced agreement is the conditional acceptance of a chain at
-    T = 0 (a draft is only verified after its predecessors matched); the replay's first slot is
-    lower because rounds start where the last draft failed.  The same replay over the engine's own
-    output reproduces the engine's τ: the check that serving feeds the drafter what training did."""
-    from specforge.toolkit.layers import SharedWeights
-    from specforge_plugins.drafters.block.checkpoint import load_drafter
+def replayable_drafter(checkpoint: str, target: Any) -> Any:
+    """The drafter that serves ``checkpoint`` (by the method its config records), in float32 as
+    trained, bound to ``target``; a drafter without the ``Replays`` protocol is an error."""
+    from specforge.plugins import get_host
+    from specforge.protocols import Replays
+    from specforge.toolkit.checkpoints import checkpoint_method
 
-    backbone, head, _, _ = load_drafter(checkpoint)
-    backbone = backbone.float().eval().bind(SharedWeights.from_target(target.runtime))
-    if head is not None:
-        head.bind(target)
-    gamma, vocab = backbone.config.gamma, backbone.vocab
-    hits, seen = torch.zeros(gamma), torch.zeros(gamma)
-    rounds = tokens = 0
-    with torch.no_grad():
-        for f in features:
-            n, mask = len(f), f.loss_mask.bool()
-            a = torch.nonzero(mask[1:]).reshape(-1)  # every position whose next token is an answer token
-            if len(a) == 0:
-                continue
-            hidden, logits = backbone(backbone.make_block(f.input_ids[a]), f.taps.flatten(1)[None].float(), a,
-                                      ctx_index=torch.zeros(len(a), dtype=torch.long))
-            pos = a[:, None] + 1 + torch.arange(gamma)[None]
-            labels = f.input_ids[pos.clamp(max=n - 1)]
-            if head is not None:
-                logits = head.forward_train(logits, torch.cat([f.input_ids[a][:, None], labels[:, :-1]], 1), hidden)
-            pred = logits.argmax(-1) if vocab is None else vocab.to_target(logits.argmax(-1))
-            valid = torch.cumprod(((pos < n) & mask[pos.clamp(max=n - 1)]).long(), 1).bool()
-            hit = (pred == labels) & valid
-            hits += hit.float().sum(0)
-            seen += valid.float().sum(0)
-            run = torch.cumprod(hit.long(), 1).sum(1).tolist()  # drafts a round anchored here accepts
-            i = 0
-            while i < len(a):
-                rounds += 1
-                tokens += min(run[i] + 1, len(a) - i)
-                i += run[i] + 1
-    return {"checkpoint": str(checkpoint), "top1": (hits / seen.clamp_min(1)).tolist(),
-            "replay_tau": tokens / max(rounds, 1), "rounds": rounds}
+    method = checkpoint_method(checkpoint)
+    drafter = get_host().create_drafter(method, {"checkpoint": checkpoint, "dtype": "float32"})
+    if not isinstance(drafter, Replays):
+        raise ValueError(f"{checkpoint}: the {method} drafter cannot replay its rounds on cached features (it has "
+                         "no replay(features, target)); --drafter takes a dspark or dflash checkpoint")
+    drafter.bind(target)
+    return drafter
 
 
 def table(result: dict[str, Any]) -> str:

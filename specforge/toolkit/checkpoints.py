@@ -28,8 +28,8 @@ from specforge.errors import SpecforgeError
 from specforge.files import file_problem, file_record
 from specforge.vocab import DraftVocab
 
-__all__ = ["CONFIG", "SHIPPED", "TARGET_SHAPE", "WEIGHTS", "DrafterCheckpointError", "check_fits", "read_checkpoint",
-           "read_vocab", "resolve_checkpoint", "ship", "vocab_tensors", "write_checkpoint"]
+__all__ = ["CONFIG", "SHIPPED", "TARGET_SHAPE", "WEIGHTS", "DrafterCheckpointError", "check_fits", "checkpoint_method",
+           "read_checkpoint", "read_meta", "read_vocab", "resolve_checkpoint", "ship", "vocab_tensors", "write_checkpoint"]
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 SHIPPED = "shipped:"  # the prefix of a shipped checkpoint's name in a config
@@ -76,9 +76,8 @@ def write_checkpoint(directory: str | Path, meta: dict[str, Any], tensors: dict[
     return directory
 
 
-def read_checkpoint(directory: str | Path, fmt: str, version: int, loader: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """``(config, tensors)`` of the checkpoint in ``directory`` (or ``shipped:<name>``), checked to
-    be of ``fmt`` v``version``; ``loader`` names the drafter that reads it, for messages."""
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of the checkpoint in ``directory`` (or ``shipped:<name>``), unchecked."""
     directory = resolve_checkpoint(directory)
     try:
         meta = json.loads((directory / CONFIG).read_text())
@@ -89,6 +88,24 @@ def read_checkpoint(directory: str | Path, fmt: str, version: int, loader: str) 
                                      "drafter again") from None
     if not isinstance(meta, dict):
         raise DrafterCheckpointError(f"{directory / CONFIG}: not a drafter config (a JSON object is expected)")
+    return meta
+
+
+def checkpoint_method(directory: str | Path) -> str:
+    """The drafter that serves the checkpoint in ``directory``: the training method its config
+    records."""
+    method = read_meta(directory).get("method")
+    if not isinstance(method, str):
+        raise DrafterCheckpointError(f"{directory}: its {CONFIG} records no method (written before methods were "
+                                     "recorded); save it again with save_drafter(..., method=...)")
+    return method
+
+
+def read_checkpoint(directory: str | Path, fmt: str, version: int, loader: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``(config, tensors)`` of the checkpoint in ``directory`` (or ``shipped:<name>``), checked to
+    be of ``fmt`` v``version``; ``loader`` names the drafter that reads it, for messages."""
+    directory = resolve_checkpoint(directory)
+    meta = read_meta(directory)
     if meta.get("format") != fmt:
         held = meta.get("method") or meta.get("format")
         hint = f" (serve it with drafter.name={held})" if isinstance(held, str) and meta.get("method") else ""

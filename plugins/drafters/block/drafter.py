@@ -39,6 +39,7 @@ from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.block.checkpoint import load_drafter
 from specforge_plugins.drafters.block.config import BlockDrafterConfig
 from specforge_plugins.drafters.block.model import BlockBackbone
+from specforge_plugins.drafters.block.replay import replay_rounds
 
 __all__ = ["BlockConfig", "BlockDrafter"]
 
@@ -121,6 +122,8 @@ class BlockDrafter:
             backbone = BlockBackbone(config, seed=self.config.seed, vocab=self._random_vocab(args.vocab_size))
         if self.config.dtype == "target":
             backbone = backbone.to(runtime.dtype).pack()
+        else:  # as trained, whatever dtype the checkpoint stored
+            backbone = backbone.float()
         self.backbone = backbone.eval().bind(SharedWeights.from_target(runtime))
         c = backbone.config
         self.feature_layers = c.tap_layers
@@ -156,6 +159,16 @@ class BlockDrafter:
         where = str(self.config.checkpoint)
         return {slot: ComponentWeights(type(m), m.state_dict(), where)
                 for slot, m in (("correction_head", head), ("confidence", confidence)) if m is not None}
+
+    def replay(self, features: list[Any], target: Any) -> dict[str, Any]:
+        """The greedy rounds this checkpoint would run over ``features``' text, on the training path
+        (:func:`~specforge_plugins.drafters.block.replay.replay_rounds`, the ``Replays`` protocol)."""
+        if self.backbone is None or self._loaded is None:
+            raise ValueError("replay needs a drafter loaded from a checkpoint and bound to its target")
+        head = self._loaded[1]
+        if head is not None:
+            head.bind(target)
+        return {"checkpoint": str(self.config.checkpoint), **replay_rounds(self.backbone, head, features)}
 
     # -- one round -------------------------------------------------------------------------------
 
