@@ -82,9 +82,9 @@ def test_install_select_test_uninstall(child_env, tmp_path):
     assert "budget" in again.stdout and "passed" in again.stdout
 
     # The package's own test suite, as its CI would run it (conformance through the pytest plug-in,
-    # at a smaller N than its default to keep this test quick: the certification at N = 400 is
+    # at a small N to keep this test quick: the certification at N = 400 is
     # the CLI run above; this one checks the pytest plug-in's wiring).
-    tests = subprocess.run([str(child_env), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--specforge-n", "200",
+    tests = subprocess.run([str(child_env), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--specforge-n", "100",
                             str(EXAMPLE / "tests" / "test_budget.py"), str(EXAMPLE / "tests" / "test_conformance.py")],
                            capture_output=True, text=True, cwd=tmp_path)
     assert tests.returncode == 0, tests.stdout + tests.stderr
