@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -171,7 +173,15 @@ def _drafter_gguf(drafter: str, out_dir: Path | None) -> Path:
         raise ConfigError([f"--drafter {drafter}: neither a .gguf file nor a drafter checkpoint directory"])
     folder = out_dir if out_dir is not None else Path(tempfile.mkdtemp(prefix="specforge-drafter-"))
     path = folder / f"{source.name}.gguf"
-    export_checkpoint(source, "llama.cpp", path)
+    folder.mkdir(parents=True, exist_ok=True)
+    # The file is derived from the checkpoint: a rerun of the same command (or one killed while
+    # exporting) exports again beside it and replaces it whole, instead of refusing the run.
+    staging = Path(tempfile.mkdtemp(prefix=f".{source.name}-", dir=folder))
+    try:
+        export_checkpoint(source, "llama.cpp", staging / path.name)
+        os.replace(staging / path.name, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return path
 
 

@@ -485,5 +485,8 @@ def test_the_black_box_tier_takes_a_drafter_checkpoint_and_exports_it(exported, 
     written = _drafter_gguf(str(source), tmp_path)
     assert written.parent == tmp_path and written.suffix == ".gguf"
     assert written.read_bytes() == gguf.read_bytes()
+    # the same command again (a rerun, or one killed while exporting) replaces it whole
+    assert _drafter_gguf(str(source), tmp_path) == written and written.read_bytes() == gguf.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [written.name]  # no staging folder left
     with pytest.raises(ConfigError, match="neither a .gguf file nor a drafter checkpoint"):
         _drafter_gguf(str(tmp_path / "nothing"), tmp_path)
