@@ -43,8 +43,8 @@ from specforge_conformance.rounds import RoundRecorder
 from specforge_conformance.stats import (Band, FitResult, band_detectable, conditional_fit, detectable_tv,
                                          goodness_of_fit, impossible_detectable, merge_cells)
 
-__all__ = ["CASE_THREADS", "IDLE_SHARE", "MIN_TAU", "MIN_VERIFIED", "MIXED_SHARE", "STATISTICS", "Case", "CaseResult", "Setting", "check_case",
-           "exercised", "informative", "pilot", "run_case", "setting_label", "shares", "torch_threads"]
+__all__ = ["CASE_THREADS", "IDLE_SHARE", "MIN_TAU", "MIN_VERIFIED", "MIXED_SHARE", "STATISTICS", "Case", "CaseResult",
+           "Setting", "check_case", "exercised", "informative", "pilot", "run_case", "setting_label", "shares", "torch_threads"]
 
 RERUN_FACTOR = 10
 # Torch threads of every case the suite draws.  Its targets are tiny (hidden size 32, V ≤ 32), so

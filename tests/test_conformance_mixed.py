@@ -14,10 +14,9 @@ from specforge.registry import ComponentKind
 from specforge_conformance import controls, probes
 from specforge_conformance.combos import SLOTS
 from specforge_conformance.exact import ExactLaw, exact_law
-from specforge_conformance.harness import Case, independence, run_case
+from specforge_conformance.harness import MIXED_SHARE, Case, independence, run_case
 from specforge_conformance.power import CASE_ALPHA, control_case, control_host
 from specforge_conformance.stats import DETECT, goodness_of_fit
-from specforge_conformance.harness import MIXED_SHARE
 from specforge_conformance.strategies import MENU, case_strategy, draw_cases, mixed_case, reads_settings
 from specforge_conformance.suite import TIERS, plan, run_suite, suite_host
 

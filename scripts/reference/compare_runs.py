@@ -36,17 +36,19 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     fig = new_figure(13, 4)
     loss_ax, tau_ax, acc_ax = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
-    lines = ["| run | step | held-out τ̂ | " + " | ".join(f"slot {k}" for k in range(1, 8)) + " |",
-             "|---|---|---|" + "---|" * 7]
+    # the draft slots both runs report (accept_rate@k), for the table and the plot alike
+    slots = sorted(set.intersection(*({int(k.split("@")[1]) for k in evals[-1] if k.startswith("accept_rate@")}
+                                      for _, evals in runs.values())))
+    lines = ["| run | step | held-out τ̂ | " + " | ".join(f"slot {k}" for k in slots) + " |",
+             "|---|---|---|" + "---|" * len(slots)]
     for name, (train, evals) in runs.items():
         loss_ax.plot([r["step"] for r in train], [r["ce"] / train[0]["ce"] for r in train], label=name)
         tau_ax.plot([r["step"] for r in evals], [r["tau"] for r in evals], marker="o", label=name)
-        slots = sorted(int(k.split("@")[1]) for k in evals[-1] if k.startswith("accept_rate@"))
         acc_ax.plot(slots, [evals[-1][f"accept_rate@{k}"] for k in slots], marker="s",
                     label=f"{name}, step {evals[-1]['step']}")
         for r in evals:
             lines.append(f"| {name} | {r['step']} | {r['tau']:.3f} | "
-                         + " | ".join(f"{r.get(f'accept_rate@{k}', float('nan')):.3f}" for k in range(1, 8)) + " |")
+                         + " | ".join(f"{r[f'accept_rate@{k}']:.3f}" for k in slots) + " |")
     for ax, (xlabel, ylabel) in zip((loss_ax, tau_ax, acc_ax), (("step", "training cross-entropy / its first step"),
                                                                 ("step", "held-out τ̂"),
                                                                 ("draft slot", "held-out acceptance"))):

@@ -29,7 +29,8 @@ from specforge.files import file_problem, file_record
 from specforge.vocab import DraftVocab
 
 __all__ = ["CONFIG", "SHIPPED", "TARGET_SHAPE", "WEIGHTS", "DrafterCheckpointError", "check_fits", "checkpoint_method",
-           "read_checkpoint", "read_meta", "read_vocab", "resolve_checkpoint", "ship", "vocab_tensors", "write_checkpoint"]
+           "read_checkpoint", "read_meta", "read_vocab", "resolve_checkpoint", "ship", "vocab_tensors",
+           "write_checkpoint"]
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 SHIPPED = "shipped:"  # the prefix of a shipped checkpoint's name in a config
