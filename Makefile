@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	# llama.cpp's Python binding, compiled for this CPU once (about 4 minutes on 2 cores) and kept
 	# as a wheel under ~/.cache/specforge/wheels, keyed by the CPU's instruction-set flags: the
 	# GGUF target's fast backend (target.backend, docs/llama-cpp-backend.md).
-	$(BIN)/python -m specforge.llamacpp.build
+	$(BIN)/python -m specforge.runtime.llamacpp.build
 	touch $(STAMP)
 
 install: $(STAMP)

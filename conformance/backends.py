@@ -2,7 +2,7 @@
 
 The exact law always comes from the reference model's float64 forward; only the engine's target
 changes.  On ``llama.cpp`` a Llama-family reference model is written as a GGUF file (float32
-tensors, :func:`specforge.llamacpp.target_gguf.write_llama_gguf`) and run in libllama, so the
+tensors, :func:`specforge.runtime.llamacpp.write_gguf.write_llama_gguf`) and run in libllama, so the
 suite checks that a combination keeps the target's law when the passes are llama.cpp's — its
 rollback, its sequences, its float16 KV cache.  Other families have no such writer and keep torch.
 """
@@ -40,9 +40,15 @@ def current_backend() -> str:
 
 def gguf_target(model, name: str):
     """``model`` (a Llama-family reference model) written as a GGUF and loaded on the llama.cpp backend."""
-    from specforge.llamacpp.target_gguf import write_llama_gguf
-    from specforge.target import TargetModel
+    from specforge.model_args import ModelArgs
+    from specforge.runtime import TargetModel
+    from specforge.runtime.llamacpp.backend import LlamaCppBackend
+    from specforge.runtime.llamacpp.write_gguf import write_llama_gguf
 
     folder = Path(tempfile.mkdtemp(prefix="specforge-conformance-gguf-"))
-    return TargetModel(model, None, torch.float32, name=f"{name}-llama.cpp",
-                       gguf=write_llama_gguf(model, folder / f"{name}.gguf"), backend="llama.cpp")
+    # The reference model in memory, its passes in libllama: the law is the model's, the arithmetic
+    # llama.cpp's (a target built from parts, not loaded from files: no backend to decide).
+    args = ModelArgs.from_hf_config(model.config)
+    llama = LlamaCppBackend(write_llama_gguf(model, folder / f"{name}.gguf"), args.n_layers, args.dim,
+                            int(model.get_output_embeddings().weight.shape[0]))
+    return TargetModel(model, None, torch.float32, name=f"{name}-llama.cpp", backend=llama)

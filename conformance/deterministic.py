@@ -31,7 +31,7 @@ from specforge.engine import GenerationRequest
 from specforge.plugins import PluginHost
 from specforge.registry import ComponentKind
 from specforge.sampling import NonFiniteError, SamplingParams
-from specforge.target import VarlenBatch
+from specforge.passes import VarlenBatch
 from specforge_conformance.harness import Case, build_engine
 
 __all__ = ["Check", "calibrator_causality", "component_checks", "declared_law", "deterministic_checks", "greedy_parity", "non_finite",

@@ -6,10 +6,10 @@ through its own public interface as a real process that the suite starts and sto
   ``["temperature"]``, then llama.cpp's ``dist``; top-k 0, top-p 1, min-p 0, typical-p 1, no
   penalties, no DRY, no XTC, no top-n-σ, no mirostat — checked in the server's echo of its
   settings).  The reference law comes from llama.cpp's own logits on the same GGUF through the
-  binding specforge builds (:mod:`specforge.llamacpp.binding`), computed the way the server
+  binding specforge builds (:mod:`specforge.runtime.llamacpp.libllama`), computed the way the server
   computes plain decoding (below).
 * ``vllm-ngram`` — vLLM CPU's offline API in its own venv (``make vllm``), a persistent
-  subprocess (:mod:`specforge_conformance.vllm_sampler`) that returns, with every token, the
+  subprocess (:mod:`specforge.peers.vllm_sampler`) that returns, with every token, the
   log-probabilities vLLM sampled it from.
 * ``simulated`` / ``simulated-over-accept`` — an in-process speculative sampler over a known
   16-token Markov law, exact or accepting drafts with min(1, 1.03·p/q): the statistics on a law
@@ -195,7 +195,7 @@ class LlamaCppReference:
     −∞), and so are the vocabulary's suppressed tokens, as its sampler does."""
 
     def __init__(self, gguf: Path, threads: int, context: int = 512, ignore_eos: bool = True) -> None:
-        from specforge.llamacpp.binding import load
+        from specforge.runtime.llamacpp.libllama import load
 
         binding = load()  # a BindingError names what to run
         import llama_cpp
@@ -277,7 +277,7 @@ class LlamaServerEngine:
 
     def __init__(self, name: str, gguf: Path, flags: Sequence[str], threads: int, context: int = 256,
                  log: Path | None = None) -> None:
-        from specforge.llamacpp.server import LlamaServer
+        from specforge.peers.llama_server import LlamaServer
 
         self.name, self.flags = name, list(flags)
         self.server = LlamaServer(gguf, slots=1, context=context, threads=threads, extra=("-fa", "on", *self.flags),
@@ -301,7 +301,7 @@ class LlamaServerEngine:
                                                                "parse_special": True})["tokens"]]
 
     def _request(self, prompt: Sequence[int], n: int, temperature: float, seed: int, **extra: Any) -> dict[str, Any]:
-        from specforge.llamacpp.server import ServerError
+        from specforge.peers.llama_server import ServerError
 
         try:
             return self.server.complete(prompt, n, temperature=temperature, seed=seed, ignore_eos=True,
@@ -382,7 +382,7 @@ class VllmEngine:
 
     def __init__(self, name: str, speculative_config: dict[str, Any] | None, logprobs: int = 20,
                  log: Path | None = None, start_timeout: float = 600.0) -> None:
-        from specforge.bench.vllm_client import export_smollm2_hf, find_vllm_python
+        from specforge.peers.vllm import export_smollm2_hf, find_vllm_python
 
         self.name, self.spec, self.logprobs = name, speculative_config, logprobs
         self.python = find_vllm_python()  # VllmNotInstalled names the install command
@@ -537,15 +537,15 @@ def _missing(case: EngineCase, drafter: Path | None = None) -> str | None:
     if case.kind == "simulated":
         return None
     if case.kind == "vllm":
-        from specforge.bench.vllm_client import VllmNotInstalled, find_vllm_python
+        from specforge.peers.vllm import VllmNotInstalled, find_vllm_python
 
         try:
             find_vllm_python()
         except VllmNotInstalled as exc:
             return f"{exc} (`make vllm`)"
         return None
-    from specforge.llamacpp.binding import BindingError, load
-    from specforge.llamacpp.tools import missing_reason
+    from specforge.runtime.llamacpp.libllama import BindingError, load
+    from specforge.peers.llamacpp_tools import missing_reason
 
     reason = missing_reason("llama-server")
     if reason:
@@ -561,7 +561,7 @@ def _missing(case: EngineCase, drafter: Path | None = None) -> str | None:
 
 
 def _target_gguf() -> Path:
-    from specforge.target.loading import resolve_model
+    from specforge.model_files import resolve_model
 
     directory, name = resolve_model("smollm2")
     return directory / name
@@ -614,7 +614,7 @@ def _run_case(case: EngineCase, arms: Sequence[Arm], level: float, seed: int, th
         with engine:
             report.arms = run_arms(engine, engine.reference, prompts, arms, level, seed, progress=progress)
     elif case.kind == "vllm":
-        from specforge.bench.vllm_client import ngram_variant
+        from specforge.peers.vllm import ngram_variant
 
         engine = VllmEngine(case.name, ngram_variant(3, 3, 1)["speculative_config"], log=log)
         # started only if an arm's laws come back unusable (vLLM 0.32 CPU: NaN processed

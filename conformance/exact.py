@@ -113,8 +113,8 @@ def _hf64(spec: ReferenceSpec):
 
 @functools.lru_cache(maxsize=16)
 def reference_target(spec: ReferenceSpec):
-    """The engine's view of the same model: a float32 :class:`~specforge.target.TargetModel`."""
-    from specforge.target import TargetModel
+    """The engine's view of the same model: a float32 :class:`~specforge.runtime.TargetModel`."""
+    from specforge.runtime import TargetModel
 
     return TargetModel(reference_hf_model(spec), None, torch.float32, name=f"reference-{spec.family}")
 
@@ -142,7 +142,7 @@ def _llamacpp_sampling_target(spec: ReferenceSpec):
 
 @functools.lru_cache(maxsize=16)
 def _torch_sampling_target(spec: ReferenceSpec):
-    from specforge.target import TargetModel
+    from specforge.runtime import TargetModel
 
     target = TargetModel(reference_hf_model(spec), None, torch.float32, name=f"reference-{spec.family}")
     target.runtime.batched_attention = True

@@ -108,13 +108,13 @@ def plan_varlen_attention(
     parity dtype against Hugging Face, stays on the per-request path, bit-identical to
     :func:`varlen_attention_reference`: ``exact`` (default: whether the cache is float32) keeps
     ``batched=None`` there.  A float32 cache under a bf16 model (faster decode attention on some
-    CPUs, see ``specforge.target.kv_dtype``) passes ``exact=False``: no parity is at stake, and
+    CPUs, see ``specforge.runtime.torch.kv_dtype``) passes ``exact=False``: no parity is at stake, and
     grouping pays there too.  ``True`` forces one padded SDPA for the whole pass, ``False`` the
     per-request path (batch-invariant).
 
     The padded path reads keys past a request's own length (masked).  A NaN or inf there would
     poison the row (0 × NaN), so it needs the slot's stale entries to be finite; the runtime's
-    :class:`~specforge.target.cache.KVCache` clears what a request wrote when its slot is freed.
+    :class:`~specforge.runtime.torch.cache.KVCache` clears what a request wrote when its slot is freed.
     """
     n_slots, hkv, capacity, _ = k_cache.shape
     group = max(1, q_heads // hkv)

@@ -6,7 +6,7 @@
 # installed), fetched with pip; cmake builds only those programs, natively (-DGGML_NATIVE=ON: this
 # CPU's instructions), statically linked, into
 #     $SPECFORGE_CACHE_DIR/llama-cpp-tools-<cpu key>/bin     (default cache: ~/.cache/specforge)
-# where the key is specforge.llamacpp.build.cpu_key(): a CPU with other instruction-set flags gets
+# where the key is specforge.runtime.llamacpp.build.cpu_key(): a CPU with other instruction-set flags gets
 # its own build.  Idempotent: nothing is done when the programs are there.  The folder appears
 # whole or not at all (built beside it under a temporary name, then renamed).
 #
@@ -24,7 +24,7 @@ if [ ! -x "$PY" ]; then
     exit 1
 fi
 cd "$ROOT"
-TOOLS="$("$PY" -c 'from specforge.llamacpp.build import tools_dir; print(tools_dir())')"
+TOOLS="$("$PY" -c 'from specforge.runtime.llamacpp.build import tools_dir; print(tools_dir())')"
 BIN="$TOOLS/bin"
 
 missing=0
@@ -36,7 +36,7 @@ fi
 
 VERSION="$("$PY" - <<'EOF'
 from importlib import metadata
-from specforge.llamacpp.build import BINDING
+from specforge.runtime.llamacpp.build import BINDING
 try:
     print(metadata.version("llama-cpp-python"))
 except metadata.PackageNotFoundError:

@@ -39,7 +39,7 @@ NEW_TOKENS = 32
 
 
 def _case(n_runs: int, run_len: int, context: tuple[int, int], dtype: torch.dtype, tree: bool, gen: torch.Generator):
-    from specforge.target import VarlenBatch
+    from specforge.passes import VarlenBatch
 
     heads, kv_heads, dim = 9, 3, 64
     starts = torch.randint(context[0], context[1] + 1, (n_runs,), generator=gen).tolist()
@@ -83,7 +83,7 @@ def check_kernel() -> dict:
 
 
 def _runtime_greedy(runtime, prompt: list[int], n: int) -> list[int]:
-    from specforge.target import VarlenBatch
+    from specforge.passes import VarlenBatch
 
     cache = runtime.new_cache(1, len(prompt) + n + 1, device="cuda")
     ids, out = list(prompt), []
@@ -101,12 +101,12 @@ def _runtime_greedy(runtime, prompt: list[int], n: int) -> list[int]:
 
 
 def check_runtime_greedy(state: dict) -> dict:
-    from specforge.target import TargetModel
-    from specforge.target.linear_plan import LinearPlan
+    from specforge.runtime import load_target
+    from specforge.toolkit.linear_plan import LinearPlan
 
     result, failures = {}, []
     for dtype in ("float32", "bfloat16"):
-        target = TargetModel.load("smollm2", dtype)
+        target = load_target("smollm2", dtype=dtype, backend="torch")
         hf = target.hf_model.to(device="cuda", dtype=getattr(torch, dtype))
         runtime = target.runtime.to("cuda")
         runtime.set_linear_plan(LinearPlan.fixed("linear"))  # the CPU's measured kernels are CPU kernels

@@ -13,12 +13,12 @@ import llama_cpp
 import numpy as np
 
 from specforge.evalsets import apply_chat_template, select_prompts
-from specforge.target import TargetModel
-from specforge.target.loading import resolve_model
+from specforge.runtime import load_target
+from specforge.model_files import resolve_model
 
 d, f = resolve_model("smollm2")
 gguf = str(d / f)
-tok = TargetModel.load("smollm2", "float32", backend="torch").tokenizer
+tok = load_target("smollm2", dtype="float32", backend="torch").tokenizer
 prompts = select_prompts(["humaneval"], 4)
 llm = llama_cpp.Llama(model_path=gguf, n_ctx=1024, n_batch=512, n_ubatch=512, flash_attn=True, n_threads=2,
                       logits_all=True, verbose=False)

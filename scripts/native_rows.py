@@ -3,7 +3,7 @@
 Every Int4Projection of the embedded SmolLM2 (``target.weights=native``) holds the blocks for
 torch's int4 kernel and a bf16 copy for oneDNN; this times both over all 120 layer projections,
 and the LM head's two paths, for each row count, interleaved and repeated (medians).  It is
-where ``KERNEL_ROWS`` and ``HEAD_KERNEL_ROWS`` in ``specforge.target.quantized`` come from.
+where ``KERNEL_ROWS`` and ``HEAD_KERNEL_ROWS`` in ``specforge.runtime.torch.quantized`` come from.
 
     python scripts/native_rows.py --rows 1 2 4 8 16 64 --reps 9
 """
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from specforge.target import TargetModel
-from specforge.target.quantized import GROUP, Int4Projection, Q8Projection
+from specforge.runtime import load_target
+from specforge.runtime.torch.quantized import GROUP, Int4Projection, Q8Projection
 from specforge.toolkit.projection import onednn_linear
 
 
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 32, 64])
     ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args()
-    target = TargetModel.load("smollm2", "bfloat16", weights="native")
+    target = load_target("smollm2", dtype="bfloat16", weights="native", backend="torch")
     layers = [getattr(layer, a) for layer in target.runtime.layers
               for a in ("qkv_proj", "o_proj", "up_proj", "down_proj")]
     groups = {"layers": [p for p in layers if isinstance(p, Int4Projection)],

@@ -32,9 +32,9 @@ def main() -> None:
     from specforge.bench.probe import replayable_drafter
     from specforge.evalsets import read_prompt_file
     from specforge.features import compute_features
-    from specforge.target import TargetModel
+    from specforge.runtime import load_target
 
-    target = TargetModel.load(args.target, dtype=args.dtype)
+    target = load_target(args.target, dtype=args.dtype, backend="torch")
     outputs = json.load(open(args.generated))
     prompts = read_prompt_file(args.prompts)
     drafter = replayable_drafter(args.checkpoint, target)

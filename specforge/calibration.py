@@ -108,10 +108,10 @@ def calibrate(pipeline: Any, settings: CalibrateSettings, out_dir: str | Path, t
 
     from specforge.config import load_pipeline
     from specforge.engine import Engine, GenerationRequest
-    from specforge.engine.binding import drafter_identity
+    from specforge.engine.bind import drafter_identity
     from specforge.evalsets import apply_chat_template
     from specforge.plugins import get_host
-    from specforge.target import TargetModel
+    from specforge.engine import load_pipeline_target
 
     if pipeline.component("drafter") is None:
         from specforge.errors import ConfigError
@@ -123,7 +123,7 @@ def calibrate(pipeline: Any, settings: CalibrateSettings, out_dir: str | Path, t
     # Every drafted token verified, confidences raw: every position of every round is observed.
     recording = load_pipeline(["default"], sections={**pipeline.to_dict(), "scheduler": {"name": "fixed"},
                                                      "calibrator": {"name": "identity"}})
-    target = target or TargetModel.from_config(pipeline.target)
+    target = target or load_pipeline_target(pipeline)
     engine = Engine.from_pipeline(recording, target)
     prompts = _held_out_prompts(settings)
     ids = [apply_chat_template(target.tokenizer, p.text) for p in prompts]

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specforge import __version__, acceptance
-from specforge.config import load_pipeline, preset_names
+from specforge.config import BACKENDS, TargetConfig, load_pipeline, preset_names
 from specforge.errors import ConfigError
 from specforge.errors import SpecforgeError
 from specforge.bench import commands as bench_commands
@@ -165,9 +165,10 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     target = None
     if args.target:
-        from specforge.target import TargetModel
+        from specforge.runtime import load_target
 
-        target = TargetModel.load(args.target, args.dtype)
+        # Only the target's weights and shapes are read (no pass runs): its torch runtime.
+        target = load_target(args.target, dtype=args.dtype, backend="torch")
     method, fmt, notes = import_checkpoint(args.checkpoint, args.out, args.source_format, target)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
@@ -224,10 +225,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     """
     from specforge.profiling import plot_profile, profile_table
     from specforge.toolkit.step_curve import measure_sps
-    from specforge.target import TargetModel
+    from specforge.runtime import load_target
 
-    target = TargetModel.load(args.model, args.dtype, compile=args.compile, weights=args.weights,
-                              backend=args.backend)
+    target = load_target(args.model, dtype=args.dtype, compile=args.compile, weights=args.weights,
+                         backend=args.backend)
     profile, records = measure_sps(target, args.batches, context=args.context, requests=args.requests,
                                    reps=args.reps)
     out = Path(args.out)
@@ -397,7 +398,7 @@ def _profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure the compiled forward (target.compile), whose curve has another shape")
     p.add_argument("--weights", choices=["auto", "dense", "native"], default="auto",
                    help="measure with a GGUF's 4-bit blocks run natively (target.weights=native)")
-    p.add_argument("--backend", choices=["auto", "torch", "llama.cpp"], default="auto",
+    p.add_argument("--backend", choices=BACKENDS, default=TargetConfig.model_fields["backend"].default,
                    help="what runs the passes (target.backend; docs/backends.md)")
     p.add_argument("--out", default="runs/profile", help="output directory")
     p.add_argument("--json", action="store_true", help="print the timings as JSON instead of the table")

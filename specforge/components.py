@@ -406,7 +406,7 @@ class Drafter(Protocol):
         ``feature_layers`` is read after this call, so a drafter may choose its layers from the
         target's depth here.
 
-        What a drafter may read from ``target`` (a :class:`specforge.target.TargetModel`):
+        What a drafter may read from ``target`` (a :class:`specforge.runtime.TargetModel`):
         ``vocab_size``, ``max_positions``, ``dtype``, ``eos_ids``, ``name``, ``args`` (the
         architecture: ``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``, …),
         ``runtime`` (the runtime transformer, for its frozen token embedding and LM head — share

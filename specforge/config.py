@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from omegaconf import OmegaConf
@@ -52,8 +52,11 @@ PRESET_DIR = Path(__file__).parent / "presets"
 DEFAULT_COMPONENTS: dict[ComponentKind, str | None] = {kind: kind.spec.default for kind in ComponentKind}
 
 
-# The KV cache's dtype choices (specforge.target.kv_dtype resolves them).
+# The KV cache's dtype choices (specforge.runtime.torch.kv_dtype resolves them).
 KVDtype = Literal["auto", "model", "float32"]
+# What computes a target's passes (specforge.runtime.choice decides ``auto``); the one list of them.
+Backend = Literal["auto", "torch", "llama.cpp"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
 
 
 class TargetConfig(BaseModel):
@@ -87,12 +90,13 @@ class TargetConfig(BaseModel):
         "'dense' never; 'auto' lets dtype=auto measure them as one more candidate (with an explicit "
         "dtype, auto is dense). GGUF targets only, with bfloat16 activations",
     )
-    backend: Literal["auto", "torch", "llama.cpp"] = Field(
+    backend: Backend = Field(
         "auto",
         description="what computes the target's passes: 'torch' (the project's own runtime, any target), "
         "'llama.cpp' (a GGUF file in libllama through the llama-cpp-python binding `make install` builds; "
         "chains only, taps of layers 0..L-2), or 'auto': llama.cpp for a GGUF target on a CPU where the "
-        "binding loads, torch otherwise (the choice is printed with its reason). dtype, weights, compile and "
+        "binding loads and it serves the drafter's taps, unless torch measured faster on this machine (once, "
+        "cached); decided once when the target loads and printed with its reason. dtype, weights, compile and "
         "kv_dtype configure the torch runtime",
     )
     kv_dtype: KVDtype = Field(

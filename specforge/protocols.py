@@ -14,6 +14,7 @@ Which kinds may have which (the engine calls nothing else):
 protocol                  method                                      kinds
 ========================  ==========================================  ============================
 :class:`Binds`            ``bind(target)``                            any but the verifier
+:class:`Taps`             ``taps_for(args) -> layers``                drafter
 :class:`CompanionWeights` ``companion_weights() -> {slot: weights}``  drafter
 :class:`Learns`           ``forget()``                                drafter, scheduler
 :class:`LoadsWeights`     ``load_weights(weights)``                   correction head, confidence
@@ -44,7 +45,8 @@ from specforge.errors import SpecforgeError
 from specforge.hardware import DraftCost
 
 __all__ = ["OPTIONAL", "Binds", "CompanionWeights", "ComponentContractError", "DraftCostAware", "DraftGate",
-           "Learns", "LoadsWeights", "ObservesRounds", "Replays", "Restricts", "SharesHead", "check_optional"]
+           "Learns", "LoadsWeights", "ObservesRounds", "Replays", "Restricts", "SharesHead", "Taps",
+           "check_optional"]
 
 
 class ComponentContractError(SpecforgeError, TypeError):
@@ -56,6 +58,17 @@ class Binds(Protocol):
     """Lifecycle step 1: sized from the target, takes the frozen tensors it reads."""
 
     def bind(self, target: Any) -> None: ...
+
+
+@runtime_checkable
+class Taps(Protocol):
+    """Before it binds: the target layers a drafter will read (its ``feature_layers`` after
+    ``bind``) on a target of shape ``args`` (:class:`~specforge.model_args.ModelArgs`), so the
+    target is loaded with a backend that can tap them (:class:`specforge.runtime.contract.Needs`).
+    A drafter that taps layers and lacks it still runs; a backend that cannot serve its taps then
+    says so when the engine is built."""
+
+    def taps_for(self, args: Any) -> tuple[int, ...]: ...
 
 
 @runtime_checkable
@@ -133,7 +146,7 @@ class Replays(Protocol):
 
 # Per pipeline slot, the optional protocols the engine calls (and so checks).
 OPTIONAL: dict[str, tuple[type, ...]] = {
-    "drafter": (Binds, CompanionWeights, Learns),
+    "drafter": (Binds, Taps, CompanionWeights, Learns),
     "correction_head": (Binds, LoadsWeights, Restricts),
     "confidence": (Binds, LoadsWeights, Restricts, SharesHead),
     "calibrator": (Binds, ObservesRounds),

@@ -30,13 +30,12 @@ def test_help_lists_every_arm():
 def test_an_arm_names_its_kv_cache_dtype(tmp_path, monkeypatch):
     """``eager-plain:float32`` and ``eager-plain:model`` decode with those caches, paired."""
     from specforge.bench import ab
-    from specforge.target import TargetModel
+    from specforge.runtime import load_target
     from tiny_models import save_tiny, save_tokenizer
 
     path = save_tiny("llama", tmp_path / "m")
     save_tokenizer(path)
-    load = TargetModel.load
-    monkeypatch.setattr(ab.TargetModel, "load", lambda *a, **k: load(str(path), "bfloat16"))
+    monkeypatch.setattr(ab, "load_target", lambda *a, **k: load_target(str(path), dtype="bfloat16", backend="torch"))
     result = ab.run_ab(["eager-plain:model", "eager-plain:float32"], trials=2, concurrency=2, prompts=2,
                        max_new_tokens=3)
     assert result["kv_dtype"] == {"eager-plain:model": "bfloat16", "eager-plain:float32": "float32"}
@@ -48,15 +47,14 @@ def test_an_arm_names_its_precision(tmp_path, monkeypatch):
     """``eager-plain/float32`` and ``eager-plain/bfloat16`` decode with those targets, beside HF
     generate in float32; the JSON says what each arm ran in and on which machine."""
     from specforge.bench import ab
-    from specforge.target import TargetModel
+    from specforge.runtime import load_target
     from tiny_models import save_tiny, save_tokenizer
 
     path = save_tiny("llama", tmp_path / "m")
     save_tokenizer(path)
-    load = TargetModel.load
-    monkeypatch.setattr(ab.TargetModel, "load", lambda model, dtype, **k: load(str(path), dtype, **k))
+    monkeypatch.setattr(ab, "load_target", lambda model, **k: load_target(str(path), **k))
     monkeypatch.setattr(ab, "load_smollm2", lambda dtype, tokenizer=True: (
-        TargetModel.load(str(path), "float32").hf_model, None))
+        load_target(str(path), dtype="float32", backend="torch").hf_model, None))
     arms = ["eager-plain/float32", "eager-plain/bfloat16", "hf/float32"]
     result = ab.run_ab(arms, trials=2, concurrency=2, prompts=2, max_new_tokens=3)
     assert {a: p["label"] for a, p in result["precision"].items()} == {

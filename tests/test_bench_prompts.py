@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from specforge.bench import hf_baseline, vllm_client
-from specforge.bench.hf_baseline import rounds_for, summarize
+from specforge.peers.records import rounds_for, summarize
 import specforge
 from specforge.evalsets import (
     BenchPrompt,
@@ -22,7 +22,7 @@ from specforge.evalsets import (
     load_turns,
     select_prompts,
 )
-from specforge.bench.vllm_client import (
+from specforge.peers.vllm import (
     VllmNotInstalled,
     bench_vllm,
     find_vllm_python,
@@ -206,7 +206,7 @@ def test_summarize_rates():
 
 
 def test_smollm2_gguf_location_or_clear_error():
-    from specforge.target import TargetLoadError
+    from specforge.model_files import TargetLoadError
 
     try:
         d, name = hf_baseline.smollm2_gguf()

@@ -88,7 +88,7 @@ def test_the_engine_tells_an_online_calibrator_each_verified_round_after_it():
     from specforge.config import EngineConfig, SamplingConfig
     from specforge.engine import Engine, GenerationRequest
     from specforge.plugins import PluginHost
-    from specforge.target import TargetModel
+    from specforge.runtime import TargetModel
     from specforge_plugins.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     from tiny_models import tiny_model
 

@@ -13,12 +13,13 @@ import warnings
 import pytest
 import torch
 
-import specforge.target.compiled as compiled
-from specforge.target import compile_choice
+import specforge.toolkit.compiled as compiled
+from specforge.runtime.torch import compile_choice
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
-from specforge.target import TargetModel, VarlenBatch
+from specforge.passes import VarlenBatch
+from specforge.runtime import TargetModel, load_target
 from tiny_models import save_tiny
 
 TOL = 1e-4
@@ -34,7 +35,7 @@ def make_pair(family: str, tmp_path_factory) -> tuple[TargetModel, TargetModel]:
     graph costs seconds, so the tests share them."""
     if family not in _PAIRS:
         path = str(save_tiny(family, tmp_path_factory.mktemp(family)))
-        _PAIRS[family] = TargetModel.load(path, "float32"), TargetModel.load(path, "float32", compile=True)
+        _PAIRS[family] = load_target(path, dtype="float32", backend="torch"), load_target(path, dtype="float32", compile=True, backend="torch")
     return _PAIRS[family]
 
 
@@ -120,10 +121,10 @@ def test_compiled_bfloat16_uses_the_packed_projections(tmp_path):
     # which the compiler must not look into; same kernels, so the logits agree to bf16 rounding
     # of the fused elementwise work.
     path = str(save_tiny("llama", tmp_path / "m"))
-    eager = TargetModel.load(path, "bfloat16")
+    eager = load_target(path, dtype="bfloat16", backend="torch")
     if eager.runtime.layers[0].qkv_proj.packed is None:
         pytest.skip("no oneDNN packing in this torch build")
-    fast = TargetModel.load(path, "bfloat16", compile=True)
+    fast = load_target(path, dtype="bfloat16", compile=True, backend="torch")
     ids = [torch.arange(3, 20).tolist(), [7], [9, 4, 4]]
     a = run(eager, [[ids[0]], [ids[1]], [ids[2]]], [0])
     b = run(fast, [[ids[0]], [ids[1]], [ids[2]]], [0])
@@ -140,10 +141,10 @@ def test_compiled_bfloat16_uses_the_packed_projections(tmp_path):
 
 
 def test_no_compiler_keeps_the_eager_forward(tmp_path, monkeypatch):
-    monkeypatch.setattr("specforge.target.model.compile_available", lambda: False)
+    monkeypatch.setattr("specforge.runtime.torch.model.compile_available", lambda: False)
     path = str(save_tiny("llama", tmp_path / "m"))
     with pytest.warns(RuntimeWarning, match="C\\+\\+ compiler"):
-        target = TargetModel.load(path, "float32", compile=True)
+        target = load_target(path, dtype="float32", compile=True, backend="torch")
     assert target.runtime.compiled is None
     ids = list(range(3, 20))
     out = target.forward(VarlenBatch.build([ids], [0], [0]), target.new_cache(1, 64), logits_rows=torch.arange(len(ids)))
@@ -152,7 +153,7 @@ def test_no_compiler_keeps_the_eager_forward(tmp_path, monkeypatch):
 
 def test_a_compiler_failure_falls_back_to_eager_with_one_warning(tmp_path, monkeypatch):
     path = str(save_tiny("llama", tmp_path / "m"))
-    target = TargetModel.load(path, "float32")
+    target = load_target(path, dtype="float32", backend="torch")
     trunk = compiled.CompiledTrunk(target.runtime)
     error = compiled._COMPILE_ERRORS[0]
 
@@ -203,7 +204,7 @@ def test_compile_auto_keeps_the_compiled_forward_only_where_it_measured_faster(t
     timed = _fake_clock(monkeypatch, 0.8)
     monkeypatch.setattr(compile_choice, "MAX_COMPILE_SECONDS", float("inf"))  # a slow machine's build time
     lines = []
-    target = TargetModel.load(path, "float32", compile="auto", log=lines.append)
+    target = load_target(path, dtype="float32", compile="auto", log=lines.append, backend="torch")
     assert len(timed) == len(compile_choice.PASSES)  # each decoding pass, eager against compiled
     assert target.compile_choice.compile and target.runtime.compiled is not None
     assert target.compile_choice.speedup == {name: 1.25 for name in compile_choice.PASSES}
@@ -212,7 +213,7 @@ def test_compile_auto_keeps_the_compiled_forward_only_where_it_measured_faster(t
     out = target.forward(VarlenBatch.build([ids], [0], [0]), target.new_cache(1, 64), logits_rows=torch.arange(len(ids)))
     assert torch.allclose(out.logits, target.reference_logits(ids), atol=TOL, rtol=1e-5)
     # the next load reads the verdict: no measurement, compiled straight away
-    again = TargetModel.load(path, "float32", compile="auto", log=lines.append)
+    again = load_target(path, dtype="float32", compile="auto", log=lines.append, backend="torch")
     assert len(timed) == len(compile_choice.PASSES) and again.runtime.compiled is not None
     assert "[cached:" in lines[-1]
 
@@ -228,15 +229,15 @@ def test_compile_auto_keeps_compiled_only_at_a_measured_gain():
 
 def test_compile_auto_without_a_compiler_runs_eagerly_and_never_tries_again(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECFORGE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr("specforge.target.model.compile_available", lambda: False)
+    monkeypatch.setattr("specforge.runtime.torch.model.compile_available", lambda: False)
     path = str(save_tiny("llama", tmp_path / "m"))
     lines = []
     with pytest.warns(RuntimeWarning, match="C\\+\\+ compiler"):
-        target = TargetModel.load(path, "float32", compile="auto", log=lines.append)
+        target = load_target(path, dtype="float32", compile="auto", log=lines.append, backend="torch")
     assert target.runtime.compiled is None and not target.compile_choice.compile
     assert "no C++ compiler" in lines[-1]
     # the verdict is cached: the next load does not even try to compile
     calls = []
     monkeypatch.setattr(TargetModel, "compile", lambda self, enabled=True: calls.append(enabled) or False)
-    again = TargetModel.load(path, "float32", compile="auto", log=lines.append)
+    again = load_target(path, dtype="float32", compile="auto", log=lines.append, backend="torch")
     assert calls == [] and again.runtime.compiled is None and "[cached:" in lines[-1]

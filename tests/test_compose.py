@@ -15,7 +15,7 @@ from specforge.config import EngineConfig, SamplingConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest
 from specforge.errors import ConfigError
 from specforge.sampling import SamplingParams
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from specforge_conformance.suite import suite_host
 from tiny_models import tiny_model
 

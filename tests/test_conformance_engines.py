@@ -222,7 +222,7 @@ def test_the_simulated_case_runs_from_the_command_line(tmp_path):
 
 
 def _llama_server_missing() -> str | None:
-    from specforge.llamacpp.tools import missing_reason
+    from specforge.peers.llamacpp_tools import missing_reason
 
     return missing_reason("llama-server")
 
@@ -231,7 +231,7 @@ def test_a_real_llama_server_is_gone_when_the_block_ends_with_an_error():
     reason = _llama_server_missing()
     if reason:
         pytest.skip(reason)
-    from specforge.target.loading import resolve_model
+    from specforge.model_files import resolve_model
 
     directory, name = resolve_model("smollm2")
     engine = LlamaServerEngine("llama.cpp-ngram", directory / name, ENGINES["llama.cpp-ngram"].flags, threads=1)

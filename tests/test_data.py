@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from specforge.data.chat import ChatTemplateError, Conversation, normalize_message, tokenize_conversation
-from specforge.data.jsonl import iter_jsonl, load_jsonl
+from specforge.conversations.chat import ChatTemplateError, Conversation, normalize_message, tokenize_conversation
+from specforge.conversations.jsonl import iter_jsonl, load_jsonl
 from specforge.data.sharegpt import (
     ShareGPTNotInstalled,
     ShareGPTReport,
@@ -278,7 +278,7 @@ def test_a_template_that_rewrites_past_turns_is_refused(tiny_tokenizer, tmp_path
 def test_mask_with_the_smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    from specforge.target.loading import TargetLoadError, resolve_model
+    from specforge.model_files import TargetLoadError, resolve_model
 
     try:
         directory, gguf = resolve_model("smollm2")
@@ -304,7 +304,7 @@ def test_a_reply_keeps_the_ids_the_target_wrote_where_the_text_tokenises_otherwi
     training must see the target's own ids (regeneration keeps them as ``token_ids``)."""
     from transformers import AutoTokenizer
 
-    from specforge.target.loading import TargetLoadError, resolve_model
+    from specforge.model_files import TargetLoadError, resolve_model
 
     try:
         directory, gguf = resolve_model("smollm2")

@@ -22,7 +22,7 @@ from specforge.engine import Engine, GenerationRequest
 from specforge.hardware import DraftCost, HardwareProfile, HardwareProfileError
 from specforge.plugins import PluginHost
 from specforge.engine.draft_cost import DRAFT_COST_REQUESTS
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from specforge.toolkit.admission import admission_path, causal_count
 from specforge_plugins.schedulers import AsyncTopKConfig, AsyncTopKScheduler, HardwareConfig, HwPrefixScheduler
 from tiny_models import tiny_model

@@ -13,7 +13,8 @@ from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
 from specforge.sampling import warp
-from specforge.target import TargetModel, VarlenBatch
+from specforge.passes import VarlenBatch
+from specforge.runtime import TargetModel
 from specforge_plugins.drafters.block.checkpoint import save_drafter
 from specforge_plugins.drafters.dspark import DSparkConfig, DSparkDrafter
 from tiny_models import tiny_model

@@ -13,7 +13,7 @@ from specforge.config import EngineConfig, SamplingConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest
 from specforge.features import compute_features
 from specforge.plugins import PluginHost
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from specforge.toolkit.checkpoints import DrafterCheckpointError
 from specforge.toolkit.training import TrainBatch
 from specforge.training.config import TrainConfig

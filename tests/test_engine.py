@@ -12,7 +12,7 @@ from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, FinishReason, GenerationRequest
 from specforge.engine.stops import stop_prefix_length
 from specforge.plugins import PluginHost
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from tiny_models import tiny_model
 
 VOCAB = 96

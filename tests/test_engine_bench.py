@@ -7,7 +7,7 @@ import torch
 
 from specforge.bench.engine_bench import add_ratios, bench_engine_variant, plot, table
 from specforge.hardware import HardwareProfile
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from tiny_models import tiny_model
 
 

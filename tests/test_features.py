@@ -25,8 +25,8 @@ from specforge.features import (
     write_feature_cache,
 )
 from specforge.features import cache as cache_mod
-from specforge.target import VarlenBatch
-from specforge.target.adapter import TargetModel
+from specforge.passes import VarlenBatch
+from specforge.runtime.target import TargetModel
 
 from tiny_models import tiny_model
 

@@ -1,46 +1,37 @@
-"""The import layers (docs/writing-a-plugin.md#what-a-plug-in-may-import), read from the source.
+"""The import layers (docs/design/layers.md; docs/writing-a-plugin.md#what-a-plug-in-may-import),
+read from the source by scripts/layers.py — the same table the layer map in the docs is drawn from.
 
-Every ``import`` statement of every module counts — function-local ones too, since a local import
-that dodges a circle at import time is still a circle in the design; only ``if TYPE_CHECKING:``
-blocks are left out.  Three rules:
+Four rules:
 
 * no circles between modules;
+* no import runs back up: a module imports its own layer and those below it (foundation → kernels
+  → toolkit → plug-ins → runtime → engine → peers → jobs → CLI), and every package ``__init__`` that
+  importing runs counts too;
 * a plug-in (shipped or the example third-party package) imports from specforge only the contracts
   and the toolkit (:data:`PUBLIC`), and from ``specforge_plugins`` only its own method's modules
   (:data:`UNITS`) — what a third party could import, nothing more;
-* the contracts and the toolkit stand at the bottom: whatever they import, transitively and with
-  every package ``__init__`` that importing runs, is public or one of a few leaf modules
-  (:data:`LEAVES`) — never the host, the engine or a job.
+* the conformance suite reaches the shipped plug-ins only through their packages.
 """
 
 from __future__ import annotations
 
-import ast
-from collections.abc import Iterator
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# import name → source directory (pyproject.toml's package-dir, and the example plug-in)
-ROOTS = {"specforge": REPO / "specforge", "specforge_plugins": REPO / "plugins",
-         "specforge_conformance": REPO / "conformance", "specforge_kernels": REPO / "kernels",
-         "specforge_example": REPO / "examples" / "specforge-example-plugin" / "specforge_example"}
+sys.path.insert(0, str(REPO / "scripts"))
+
+import layers  # noqa: E402  (scripts/layers.py)
+from layers import GRAPH, LAYERS, MODULES, imports, layer_of, upward  # noqa: E402
+
+_is_package = layers.is_package
 
 # What a plug-in may import from specforge: the contracts, and the toolkit (a prefix).
 PUBLIC = {"specforge", "specforge.hookspecs", "specforge.components", "specforge.protocols", "specforge.errors",
           "specforge.sampling", "specforge.vocab", "specforge.files", "specforge.metrics", "specforge.acceptance",
           "specforge.hardware"}
 TOOLKIT = "specforge.toolkit"
-# Leaf modules of the runtime the toolkit may stand on (no specforge imports beyond each other and
-# the public layer): the projection's kernel plan and compiled-op registry, the batch layout and
-# the cache directory a step curve measures with and is kept in, the machine key, a target's shape
-# (ModelArgs) a checkpoint format checks a recorded target against, the conversation files.
-LEAVES = {"specforge.target", "specforge.target.args", "specforge.target.batch", "specforge.target.loading",
-          "specforge.target.linear_plan", "specforge.target.bands", "specforge.target.compiled", "specforge.machine",
-          "specforge_kernels", "specforge_kernels.varlen_attention",
-          # the conversation files a drafter's corpus is read from (toolkit.corpus)
-          "specforge.data", "specforge.data.jsonl", "specforge.data.chat",
-          # what those packages' __init__ imports names on first use with (it imports nothing)
-          "specforge.lazy"}
+TOOLKIT = "specforge.toolkit"
 # A plug-in's own method: the modules of one unit may import each other.  The packages'
 # registration modules (``__init__``) may import every unit below them.
 UNITS = [
@@ -60,70 +51,15 @@ UNITS = [
 REGISTRATION = {"specforge_plugins.drafters"}
 
 
-def _modules() -> dict[str, Path]:
-    found = {}
-    for name, root in ROOTS.items():
-        for path in root.rglob("*.py"):
-            parts = list(path.relative_to(root).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join([name, *parts])] = path
-    return found
+def _public(module: str) -> bool:
+    return module in PUBLIC or module == TOOLKIT or module.startswith(TOOLKIT + ".")
 
 
-MODULES = _modules()
-
-
-def _is_package(module: str) -> bool:
-    return MODULES.get(module, Path()).name == "__init__.py" or (
-        module in ROOTS and not (ROOTS[module] / "__init__.py").exists())
-
-
-def _type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _walk(node: ast.AST) -> Iterator[ast.AST]:
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _type_checking(child):
-            yield from (n for stmt in child.orelse for n in [stmt, *_walk(stmt)])
-            continue
-        yield child
-        yield from _walk(child)
-
-
-def _internal(name: str) -> bool:
-    return name.split(".")[0] in ROOTS
-
-
-def imports(module: str) -> set[str]:
-    """The internal modules ``module`` imports (``from pkg import sub`` counts as ``pkg.sub`` when
-    ``sub`` is a module)."""
-    tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
-    package = module if _is_package(module) else module.rpartition(".")[0]
-    found = set()
-    for node in _walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if _internal(alias.name))
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                source = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                source = node.module or ""
-            if not _internal(source):
-                continue
-            for alias in node.names:
-                sub = f"{source}.{alias.name}"
-                found.add(sub if sub in MODULES else source)
-    found.discard(module)
-    return {m for m in found if m in MODULES or m in ROOTS}
-
-
-GRAPH = {m: imports(m) for m in MODULES}
+def _unit(module: str) -> tuple[str, ...] | None:
+    for unit in UNITS:
+        if any(module == u or module.startswith(u + ".") for u in unit):
+            return unit
+    return None
 
 
 def _cycles() -> list[list[str]]:
@@ -161,23 +97,6 @@ def _cycles() -> list[list[str]]:
     return out
 
 
-def _public(module: str) -> bool:
-    return module in PUBLIC or module == TOOLKIT or module.startswith(TOOLKIT + ".")
-
-
-def _unit(module: str) -> tuple[str, ...] | None:
-    for unit in UNITS:
-        if any(module == u or module.startswith(u + ".") for u in unit):
-            return unit
-    return None
-
-
-def _with_packages(module: str) -> set[str]:
-    """``module`` and every package ``__init__`` importing it runs."""
-    parts = module.split(".")
-    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
-
-
 def test_no_import_circles():
     cycles = _cycles()
     assert not cycles, "\n".join(" ↔ ".join(c) for c in cycles)
@@ -213,24 +132,30 @@ def test_the_conformance_suite_reaches_shipped_plugins_only_through_their_packag
     assert not bad, "\n".join(bad)
 
 
-def test_the_contracts_and_the_toolkit_stand_at_the_bottom():
-    bottom = sorted(m for m in MODULES if _public(m))
-    assert {"specforge.toolkit", "specforge.protocols", "specforge.components"} <= set(bottom)
-    bad = []
-    for start in bottom:
-        seen, todo = set(), [start]
-        while todo:
-            module = todo.pop()
-            for dep in GRAPH.get(module, ()):
-                for step in _with_packages(dep):
-                    if step in seen:
-                        continue
-                    seen.add(step)
-                    if not (_public(step) or step in LEAVES):
-                        bad.append(f"{start} → … {module} → {step}")
-                    else:
-                        todo.append(step)
+def test_no_import_runs_back_up():
+    bad = upward()
     assert not bad, "\n".join(bad)
+
+
+def test_every_module_is_in_a_layer_and_the_toolkit_stands_on_the_foundation_alone():
+    assert {layer_of(m) for m in MODULES} == set(range(len(LAYERS))), "a layer without modules"
+    toolkit = [layer.name for layer in LAYERS].index("toolkit")
+    assert layer_of("specforge.toolkit.projection") == toolkit
+    below = {layer_of(dep) for m in MODULES if layer_of(m) == toolkit for dep in GRAPH[m]}
+    assert below <= set(range(toolkit + 1)), below
+
+
+def test_the_rule_fails_on_an_upward_import(tmp_path):
+    """The checker itself: a toolkit module importing the engine is reported."""
+    path = tmp_path / "upward.py"
+    path.write_text("def f():\n    from specforge.engine import Engine\n")
+    MODULES["specforge.toolkit.upward_probe"] = path
+    GRAPH["specforge.toolkit.upward_probe"] = imports("specforge.toolkit.upward_probe")
+    try:
+        assert any(line.startswith("specforge.toolkit.upward_probe (toolkit) → specforge.engine (engine)")
+                   for line in upward())
+    finally:
+        del MODULES["specforge.toolkit.upward_probe"], GRAPH["specforge.toolkit.upward_probe"]
 
 
 def test_the_graph_sees_local_imports_and_relative_ones(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specforge.interop import export_checkpoint, import_checkpoint
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from specforge.toolkit.formats import InteropError
 from specforge.vocab import DraftVocab
 from specforge.toolkit.layers import SharedWeights
@@ -255,5 +255,5 @@ def test_the_format_api_and_the_model_card_import_no_job_and_no_host():
     assert r.returncode == 0, r.stderr[-2000:]
     loaded = set(r.stdout.split())
     forbidden = {"specforge.plugins", "specforge.config", "specforge.engine", "specforge.evaluation",
-                 "specforge.interop", "specforge.target"}
+                 "specforge.interop", "specforge.runtime"}
     assert not loaded & forbidden, sorted(loaded & forbidden)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specforge.interop import export_checkpoint, import_checkpoint
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from specforge.vocab import DraftVocab
 from specforge.toolkit.confidence_head import DSparkConfidence, DSparkHeadConfig
 from specforge.toolkit.heads import HEADS, HeadConfig

@@ -20,7 +20,7 @@ from specforge.engine import Engine, GenerationRequest
 from specforge.features import compute_features
 from specforge.interop import export_checkpoint, import_checkpoint
 from specforge.plugins import PluginHost
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from specforge.toolkit.formats import InteropError
 from specforge.toolkit.training import DataSummary
 from specforge.vocab import DraftVocab

@@ -20,7 +20,7 @@ from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.interop import _formats, export_checkpoint, import_checkpoint
 from specforge.plugins import PluginHost
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from specforge.toolkit.formats import InteropError
 from specforge.vocab import DraftVocab
 from specforge.toolkit.layers import SharedWeights

@@ -8,8 +8,9 @@ import torch
 
 from specforge.config import load_pipeline
 from specforge.errors import ConfigError
-from specforge.target import TargetModel, VarlenBatch
-from specforge.target import kv_dtype as kv
+from specforge.passes import VarlenBatch
+from specforge.runtime import TargetModel, load_target
+from specforge.runtime.torch import kv_dtype as kv
 from tiny_models import save_tiny
 
 
@@ -67,14 +68,14 @@ def _decode(target: TargetModel, prompts: list[list[int]], steps: int) -> torch.
 
 
 def test_a_float32_cache_under_a_bf16_model_decodes_alike(tiny_path):
-    target = TargetModel.load(tiny_path, "bfloat16", kv_dtype="model")
+    target = load_target(tiny_path, dtype="bfloat16", kv_dtype="model", backend="torch")
     assert target.new_cache(1, 8).k[0].dtype == torch.bfloat16
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 9, 30)]
     bf16_logits = _decode(target, prompts, 6)
     target.runtime.kv_dtype = "float32"
     assert target.new_cache(1, 8).k[0].dtype == torch.float32
     f32_logits = _decode(target, prompts, 6)
-    reference = TargetModel.load(tiny_path, "float32")
+    reference = load_target(tiny_path, dtype="float32", backend="torch")
     ref_logits = _decode(reference, prompts, 6)
     # the attention in float32 is the more precise one: no farther from the float32 model than bf16's
     err = lambda x: (x.softmax(-1) - ref_logits.softmax(-1)).abs().max().item()  # noqa: E731
@@ -86,4 +87,4 @@ def test_the_pipeline_names_a_wrong_choice():
     with pytest.raises(ConfigError, match="target.kv_dtype"):
         load_pipeline([], sections={"target": {"kv_dtype": "float64"}})
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
-        TargetModel.load("smollm2", "bfloat16", kv_dtype="float64")
+        load_target("smollm2", dtype="bfloat16", kv_dtype="float64", backend="torch")

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from specforge.llamacpp.binding import INSTALL, BindingError, load
-from specforge.target.batch import VarlenBatch
-from specforge.target.loading import resolve_model
+from specforge.runtime.llamacpp.libllama import INSTALL, BindingError, load
+from specforge.passes import VarlenBatch
+from specforge.model_files import resolve_model
 
 try:
     load()
@@ -39,7 +39,7 @@ def assert_same_logits(ours, theirs, exact=False):
 
 @pytest.fixture(scope="module")
 def backend():
-    from specforge.target.llamacpp import LlamaCppBackend
+    from specforge.runtime.llamacpp.backend import LlamaCppBackend
 
     directory, name = resolve_model("smollm2")
     return LlamaCppBackend(directory / name, n_layers=30, dim=576, vocab=49152)
@@ -110,7 +110,7 @@ def test_logits_rows_come_back_in_the_order_asked_repeats_included(backend):
 
 
 def test_taps_are_each_layers_output_as_hugging_face_computes_it(backend):
-    from specforge.target.loading import load_hf
+    from specforge.model_files import load_hf
 
     hf, _ = load_hf("smollm2", torch.float32)
     layers = (0, 3, 14, 27, 28)
@@ -129,10 +129,15 @@ def test_taps_are_each_layers_output_as_hugging_face_computes_it(backend):
 
 
 def test_the_last_layers_output_is_refused_by_name(backend):
-    from specforge.target.llamacpp import BackendUnsupported
+    from specforge.runtime.contract import Needs
+    from specforge.runtime.llamacpp.backend import BackendUnsupported
 
+    assert "layer 29" in backend.lacks(Needs(taps=(3, 29)))
+    assert "final hidden state" in backend.lacks(Needs(final_hidden=True))
+    assert backend.lacks(Needs(taps=(3, 28))) is None
+    cache = backend.new_cache(1, 64)
     with pytest.raises(BackendUnsupported, match="target.backend=torch"):
-        backend.check_taps((3, 29))
+        backend.forward(VarlenBatch.build([PROMPT], [cache.allocate()], [0]), cache, taps=(3, 29))
 
 
 def test_a_tree_pass_gives_each_branch_the_logits_of_its_own_prefix(backend):
@@ -165,8 +170,8 @@ def test_a_tree_pass_gives_each_branch_the_logits_of_its_own_prefix(backend):
 def test_a_tiny_hugging_face_llama_written_as_gguf_runs_its_own_law(tmp_path):
     """The writer the conformance suite's llama.cpp tier uses: same logits as the HF model (the
     float32 weights pass through; llama.cpp's float16 KV cache is the only rounding)."""
-    from specforge.llamacpp.target_gguf import write_llama_gguf
-    from specforge.target.llamacpp import LlamaCppBackend
+    from specforge.runtime.llamacpp.write_gguf import write_llama_gguf
+    from specforge.runtime.llamacpp.backend import LlamaCppBackend
     from tiny_models import tiny_model
 
     model = tiny_model("llama", vocab=32)
@@ -182,15 +187,17 @@ def test_a_tiny_hugging_face_llama_written_as_gguf_runs_its_own_law(tmp_path):
 
 
 def test_auto_keeps_the_backend_measured_faster_and_says_so(tmp_path):
-    from specforge.target import TargetModel
-    from specforge.target.backend_choice import BackendChoice, measure_backends
-    from specforge.llamacpp.target_gguf import write_llama_gguf
+    from specforge.runtime import TargetModel
+    from specforge.runtime.choice import BackendChoice, measure_backends
+    from specforge.runtime.llamacpp.backend import LlamaCppBackend
+    from specforge.runtime.llamacpp.write_gguf import write_llama_gguf
     from tiny_models import tiny_model
 
     model = tiny_model("llama", vocab=32)
-    target = TargetModel(model, None, torch.float32, name="tiny", gguf=write_llama_gguf(model, tmp_path / "t.gguf"),
-                         backend="llama.cpp")
-    choice = measure_backends({"torch": target.torch, "llama.cpp": target.backend}, vocab=32, reps=4)
+    target = TargetModel(model, None, torch.float32, name="tiny")
+    gguf = write_llama_gguf(model, tmp_path / "t.gguf")
+    llama = LlamaCppBackend(gguf, target.args.n_layers, target.args.dim, target.vocab_size)
+    choice = measure_backends({"torch": target.teacher(), "llama.cpp": llama}, vocab=32, reps=4)
     speed = choice.speedup()
     assert choice.backend == ("llama.cpp" if speed >= 1 else "torch")
     assert set(choice.seconds) == {"torch", "llama.cpp"} and all(s > 0 for by in choice.seconds.values()
@@ -202,14 +209,13 @@ def test_auto_keeps_the_backend_measured_faster_and_says_so(tmp_path):
 
 
 def test_auto_on_a_safetensors_directory_is_torch_with_the_reason(tmp_path):
-    from specforge.target.backend import auto_backend
+    from specforge.runtime.choice import where_llamacpp_cannot_run
 
-    backend, why = auto_backend(None)
-    assert backend == "torch" and "GGUF" in why
+    assert "GGUF" in where_llamacpp_cannot_run(None)
 
 
 def test_the_gguf_writer_refuses_other_families(tmp_path):
-    from specforge.llamacpp.target_gguf import write_llama_gguf
+    from specforge.runtime.llamacpp.write_gguf import write_llama_gguf
     from tiny_models import tiny_model
 
     with pytest.raises(ValueError, match="Llama-family"):
@@ -231,7 +237,7 @@ def test_a_missing_binding_names_the_install_command(monkeypatch):
 
 
 def test_a_binding_built_for_another_cpu_is_refused_before_it_loads(monkeypatch):
-    import specforge.llamacpp.binding as binding
+    import specforge.runtime.llamacpp.libllama as binding
 
     load.cache_clear()
     monkeypatch.setattr(binding, "installed_key", lambda: "another-cpu")
@@ -245,22 +251,22 @@ def test_a_binding_built_for_another_cpu_is_refused_before_it_loads(monkeypatch)
 
 
 def test_a_safetensors_target_with_the_llama_cpp_backend_is_a_config_error(tmp_path):
-    from specforge.target import TargetModel
-    from specforge.target.llamacpp import BackendUnsupported
+    from specforge.runtime import load_target
+    from specforge.runtime.llamacpp.backend import BackendUnsupported
     from tiny_models import save_tiny
 
     directory = save_tiny("llama", tmp_path)
     with pytest.raises(BackendUnsupported, match="target.backend=torch"):
-        TargetModel.load(str(directory), "float32", backend="llama.cpp")
+        load_target(str(directory), dtype="float32", backend="llama.cpp")
 
 
 # -- the engine on the backend, against llama.cpp's own decoding ---------------------------------
 
 @pytest.fixture(scope="module")
 def target():
-    from specforge.target import TargetModel
+    from specforge.runtime import load_target
 
-    return TargetModel.load("smollm2", "float32", backend="llama.cpp")
+    return load_target("smollm2", dtype="float32", backend="llama.cpp")
 
 
 def llama_cpp_greedy(target, prompts, n):

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from specforge.bench.engine_bench import _drafters
-from specforge.bench.llamacpp_drafter import LLAMACPP_METHODS, LlamaCppPeer, server_flags
-from specforge.bench.peer_drafter import PeerDrafterSettings, run_peer_drafter, serving_pipeline, table
+from specforge.bench.peer_drafter import run_peer_drafter, serving_pipeline, table
+from specforge.peers.drafter_peer import PeerDrafterSettings
+from specforge.peers.llamacpp_drafter import LLAMACPP_METHODS, LlamaCppPeer, server_flags
 from specforge.errors import ConfigError
 from specforge.plugins import get_host
 from specforge.toolkit.checkpoints import resolve_checkpoint
@@ -69,8 +70,8 @@ def test_bench_engine_reads_drafters_by_method():
 
 
 def _tools_reason() -> str | None:
-    from specforge.llamacpp.binding import BindingError, load
-    from specforge.llamacpp.tools import missing_reason
+    from specforge.runtime.llamacpp.libllama import BindingError, load
+    from specforge.peers.llamacpp_tools import missing_reason
 
     try:
         load()

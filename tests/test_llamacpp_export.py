@@ -45,8 +45,8 @@ def smollm2():
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from specforge.target.args import ModelArgs
-    from specforge.target.loading import converted_checkpoint, resolve_model
+    from specforge.model_args import ModelArgs
+    from specforge.model_files import converted_checkpoint, resolve_model
 
     directory, name = resolve_model("smollm2")
     converted = converted_checkpoint("smollm2")
@@ -221,7 +221,7 @@ TEXT = b"<|im_start|>user\nWhat is the capital of France? Answer in one sentence
 def _binding():
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip(NO_BINDING)
-    from specforge.llamacpp.binding import load
+    from specforge.runtime.llamacpp.libllama import load
 
     return load()
 
@@ -255,7 +255,7 @@ def test_llama_cpp_extracts_the_layer_outputs_we_tap(smollm2):
     layer t, Hugging Face's hidden_states[t + 1]), not a neighbour."""
     from transformers import AutoModelForCausalLM
 
-    from specforge.target.loading import converted_checkpoint
+    from specforge.model_files import converted_checkpoint
 
     b = _binding()
     taps = (1, 8, 14, 20, 27)
@@ -384,7 +384,7 @@ def test_the_shipped_drafter_has_qk_norm_and_exports_by_name(tmp_path):
 def test_a_target_that_is_not_a_gguf_and_a_bad_out_are_refused(tmp_path, smollm2, exported):
     from transformers import AutoConfig
 
-    from specforge.target.args import ModelArgs
+    from specforge.model_args import ModelArgs
 
     tiny = save_tiny("qwen3", tmp_path / "qwen3", seed=1, vocab=96, eos=None, layers=6)
     args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(str(tiny)))
@@ -434,7 +434,7 @@ def speculative_simple(exe: Path, target: Path, draft: Path, spec_type: str, n_m
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXPORTED))
 def test_llama_speculative_simple_runs_the_drafter_losslessly(exported, smollm2, name):
-    from specforge.llamacpp.tools import missing_reason, tool
+    from specforge.peers.llamacpp_tools import missing_reason, tool
 
     reason = missing_reason("llama-speculative-simple")
     if reason:

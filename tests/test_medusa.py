@@ -12,7 +12,7 @@ import torch
 from specforge.config import EngineConfig, SamplingConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from specforge.toolkit.checkpoints import DrafterCheckpointError
 from specforge.toolkit.training import DataSummary
 from specforge.training.config import TrainConfig

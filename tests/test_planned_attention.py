@@ -36,7 +36,7 @@ def test_planned_matches_reference(dtype, tol, runs, slots, starts, batched):
 def test_freed_slots_are_cleared_before_they_are_handed_out_again():
     """A freed slot's leftovers (here NaN) never reach its next occupant's padded reads; every
     slot freed since is cleared in the same pass."""
-    from specforge.target.cache import KVCache
+    from specforge.runtime.torch.cache import KVCache
     cache = KVCache(2, 3, 1, 16, 4, torch.bfloat16)
     slots = [cache.allocate() for _ in range(3)]
     cache.note_written(slots, [5, 7, 3])

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from specforge.config import TargetConfig
-from specforge.target import TargetModel, VarlenBatch
-from specforge.target import precision as precision_mod
-from specforge.target.precision import PrecisionError, PrecisionPlan, precision_candidates
+from specforge.passes import VarlenBatch
+from specforge.runtime import TargetModel, load_target
+from specforge.runtime.torch import precision as precision_mod
+from specforge.runtime.torch.precision import PrecisionError, PrecisionPlan, precision_candidates
 from tiny_models import save_tiny
 
 VOCAB = 96
@@ -50,7 +51,7 @@ def fake_clock(monkeypatch, fastest) -> list[int]:
 def test_auto_picks_per_pass_size_and_runs_each_pass_in_its_band(tiny_dir, cache_dir, monkeypatch):
     fake_clock(monkeypatch, lambda rows: "bfloat16" if rows <= 2 else "float32")
     lines = []
-    target = TargetModel.load(str(tiny_dir), "auto", log=lines.append)
+    target = load_target(str(tiny_dir), dtype="auto", log=lines.append, backend="torch")
     plan = target.precision
     assert plan.bands == ((1, "bfloat16"), (3, "float32")) and plan.measured
     assert plan.primary == "float32" and target.dtype == torch.float32
@@ -76,13 +77,13 @@ def test_auto_picks_per_pass_size_and_runs_each_pass_in_its_band(tiny_dir, cache
 
 def test_auto_is_measured_once_then_read_and_measured_again_when_the_key_changes(tiny_dir, cache_dir, monkeypatch):
     timed = fake_clock(monkeypatch, lambda rows: "float32")
-    first = TargetModel.load(str(tiny_dir), "auto")
+    first = load_target(str(tiny_dir), dtype="auto", backend="torch")
     n = len(timed)
     assert n > 0 and first.precision.bands == ((1, "float32"),)
     files = list((cache_dir / "profiles").glob("tiny-precision-*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["label"] == "float32"
     lines = []
-    again = TargetModel.load(str(tiny_dir), "auto", log=lines.append)
+    again = load_target(str(tiny_dir), dtype="auto", log=lines.append, backend="torch")
     assert len(timed) == n and again.precision == first.precision  # read, not measured
     assert "[cached:" in lines[0]
     # another torch version (or CPU, thread count, KV-cache setting): another key, measured again
@@ -90,19 +91,19 @@ def test_auto_is_measured_once_then_read_and_measured_again_when_the_key_changes
 
     real = machine_mod.machine
     monkeypatch.setattr(machine_mod, "machine", lambda: {**real(), "torch": "0.0-other"})
-    TargetModel.load(str(tiny_dir), "auto")
+    load_target(str(tiny_dir), dtype="auto", backend="torch")
     assert len(timed) > n and len(list((cache_dir / "profiles").glob("tiny-precision-*.json"))) == 2
     # a damaged cache file is measured again, with a warning
     files[0].write_text("{ not json")
     monkeypatch.setattr(machine_mod, "machine", real)
     with pytest.warns(RuntimeWarning, match="unreadable"):
-        TargetModel.load(str(tiny_dir), "auto")
+        load_target(str(tiny_dir), dtype="auto", backend="torch")
 
 
 def test_an_explicit_dtype_is_honoured_and_only_its_kernels_are_measured(tiny_dir, cache_dir, monkeypatch):
     timed = fake_clock(monkeypatch, lambda rows: "bfloat16")
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        target = TargetModel.load(str(tiny_dir), name)
+        target = load_target(str(tiny_dir), dtype=name, backend="torch")
         assert target.precision.bands == ((1, name),) and not target.precision.measured
         assert target.dtype == dtype and list(target.runtimes) == [name]
         assert set(target.precision.kernels) == {name}  # its matmul kernels were chosen
@@ -122,7 +123,7 @@ def test_kernels_are_chosen_per_pass_size_and_every_projection_follows(tiny_dir,
                 for a in arms}
 
     monkeypatch.setattr(precision_mod, "_time_passes", seconds)
-    target = TargetModel.load(str(tiny_dir), "float32")
+    target = load_target(str(tiny_dir), dtype="float32", backend="torch")
     assert target.precision.kernels == {"float32": ((1, "wx"), (9, "linear"))}
     plans = {p.plan for p in target.runtime.projections()}
     assert plans == {target.precision.linear_plan("float32")}
@@ -137,7 +138,7 @@ def test_kernels_are_chosen_per_pass_size_and_every_projection_follows(tiny_dir,
 def test_a_candidate_whose_logits_drift_is_refused_with_its_reason(tiny_dir, cache_dir, monkeypatch):
     fake_clock(monkeypatch, lambda rows: "bfloat16")
     monkeypatch.setattr(precision_mod, "MAX_KL", 0.0)  # bf16 rounding alone now counts as drift
-    target = TargetModel.load(str(tiny_dir), "auto")
+    target = load_target(str(tiny_dir), dtype="auto", backend="torch")
     assert target.precision.bands == ((1, "float32"),)
     assert "bfloat16" in target.precision.skipped and "KL" in target.precision.skipped["bfloat16"]
 
@@ -149,11 +150,11 @@ def test_float16_is_tried_only_where_the_cpu_has_it_and_refused_by_name_elsewher
     candidates, skipped = precision_candidates(None)
     assert "float16" not in candidates and "no native float16" in skipped["float16"]
     with pytest.raises(PrecisionError, match="no native float16 arithmetic.*use auto, bfloat16 or float32"):
-        TargetModel.load(str(tiny_dir), "float16")
+        load_target(str(tiny_dir), dtype="float16", backend="torch")
     monkeypatch.setattr(machine_mod, "native_float16", lambda: True)
     candidates, skipped = precision_candidates(None)
     assert "float16" in candidates and "float16" not in skipped
-    assert TargetModel.load(str(tiny_dir), "float16").dtype == torch.float16
+    assert load_target(str(tiny_dir), dtype="float16", backend="torch").dtype == torch.float16
 
 
 def test_native_float16_reads_the_flags_and_what_torch_dispatches_to(monkeypatch):
@@ -170,12 +171,12 @@ def test_native_float16_reads_the_flags_and_what_torch_dispatches_to(monkeypatch
 
 def test_q4_is_tried_on_a_gguf_and_skipped_with_its_reason_where_the_weights_do_not_allow(tmp_path, monkeypatch):
     # The tiny GGUFs carry no config for transformers' reader, so the runtimes are built from the
-    # HF twin and the file, as TargetModel.load builds them.
+    # HF twin and the file, as load_target builds them.
     import gguf
 
-    from specforge.target.adapter import build_runtime
-    from specforge.target.args import ModelArgs
-    from specforge.target.quantized import NativeWeightsError
+    from specforge.runtime.target import build_runtime
+    from specforge.model_args import ModelArgs
+    from specforge.runtime.torch.quantized import NativeWeightsError
     from test_quantized import _write_gguf
     from tiny_models import tiny_model
 
@@ -201,7 +202,7 @@ def test_q4_is_tried_on_a_gguf_and_skipped_with_its_reason_where_the_weights_do_
     with pytest.raises(NativeWeightsError, match="Q4_0/Q4_1"):
         build_runtime(args, other, "q4", plain)
     with pytest.raises(NativeWeightsError, match="dtype=bfloat16"):
-        TargetModel.load(str(path), "float32", weights="native")
+        load_target(str(path), dtype="float32", weights="native", backend="torch")
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
@@ -210,7 +211,7 @@ def test_greedy_parity_with_hf_generate_in_the_same_dtype(tiny_dir, precision):
     from specforge.engine import Engine, GenerationRequest
     from specforge.plugins import PluginHost
 
-    target = TargetModel.load(str(tiny_dir), precision)
+    target = load_target(str(tiny_dir), dtype=precision, backend="torch")
     host = PluginHost(autoload=False).load()
     prompts = [[4, 5, 17, 40, 3], [7, 9, 9, 22, 61, 9]]  # no 0: HF generate masks the pad id
     engine = Engine(target, host.create_verifier("greedy"), sampling=SamplingConfig(temperature=0.0),
@@ -235,9 +236,9 @@ def test_a_band_plan_decodes_greedily_like_its_bands_say(tiny_dir, cache_dir, mo
     """Plain decoding (one-row passes) in the bf16 band, prefills in float32: every token is the
     argmax of the pass that produced it, in that pass's precision."""
     fake_clock(monkeypatch, lambda rows: "bfloat16" if rows == 1 else "float32")
-    target = TargetModel.load(str(tiny_dir), "auto")
+    target = load_target(str(tiny_dir), dtype="auto", backend="torch")
     assert target.precision.bands == ((1, "bfloat16"), (2, "float32"))
-    bf16 = TargetModel.load(str(tiny_dir), "bfloat16")
+    bf16 = load_target(str(tiny_dir), dtype="bfloat16", backend="torch")
     ids, cache = [0, 5, 17, 40, 3], target.new_cache(1, 64)
     ref_cache = bf16.new_cache(1, 64)
     # the prompt: a float32 pass; then one-row passes, which must match the bf16 target's steps

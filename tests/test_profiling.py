@@ -16,9 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specforge.hardware import HardwareProfile
-from specforge.target.batch import split_tokens
+from specforge.passes import split_tokens
 from specforge.toolkit.step_curve import measure_sps, non_increasing
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from tiny_models import save_tiny, tiny_model
 
 

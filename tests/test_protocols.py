@@ -15,7 +15,7 @@ from specforge.protocols import (
     ObservesRounds,
     check_optional,
 )
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from tiny_models import tiny_model
 
 

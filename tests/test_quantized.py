@@ -13,10 +13,10 @@ from tiny_models import tiny_model
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
-from specforge.target import TargetModel
-from specforge.target.batch import VarlenBatch
+from specforge.runtime import TargetModel, load_target
+from specforge.passes import VarlenBatch
 from specforge.toolkit.projection import pack_for_onednn
-from specforge.target.quantized import (
+from specforge.runtime.torch.quantized import (
     HEAD_KERNEL_ROWS,
     KERNEL_ROWS,
     Int4Projection,
@@ -247,7 +247,7 @@ def test_native_weights_need_bfloat16_and_a_gguf(tmp_path):
 
     directory = save_tiny("llama", tmp_path / "hf")
     with pytest.raises(NativeWeightsError, match="safetensors directory"):
-        TargetModel.load(str(directory), "bfloat16", weights="native")
+        load_target(str(directory), dtype="bfloat16", weights="native", backend="torch")
 
 
 def test_the_pipeline_config_has_the_switch():
@@ -261,7 +261,7 @@ def test_the_pipeline_config_has_the_switch():
 
 @pytest.mark.slow  # the real SmolLM2, end to end
 def test_the_embedded_smollm2_runs_natively_and_close_to_float32():
-    target = TargetModel.load("smollm2", "bfloat16", weights="native")
+    target = load_target("smollm2", dtype="bfloat16", weights="native", backend="torch")
     assert target.weights == {"native": 4 * target.args.n_layers + 1, "dense": 0}
     ids = target.encode("Write a Python function that reverses a list.")
     exact = target.reference_logits(ids)  # the float32 HF forward of the same file
@@ -272,7 +272,7 @@ def test_the_embedded_smollm2_runs_natively_and_close_to_float32():
 
 
 def test_block_scale_and_zero_beat_rounding_each_to_the_nearest_bf16():
-    from specforge.target.quantized import Q4Blocks, bf16_scale_zero
+    from specforge.runtime.torch.quantized import Q4Blocks, bf16_scale_zero
 
     torch.manual_seed(3)
     n, k = 32, 256
@@ -307,7 +307,7 @@ def test_fidelity_of_renderings_against_float32(native):
 
 def test_the_compiled_forward_calls_the_native_projections(native):
     # The int4 projections reach torch.compile through the same opaque op as the dense ones.
-    from specforge.target.compiled import compile_available
+    from specforge.toolkit.compiled import compile_available
 
     if not compile_available():
         pytest.skip("no C++ compiler for inductor")
@@ -332,14 +332,14 @@ def test_the_compiled_forward_calls_the_native_projections(native):
 
 
 def test_native_weights_in_float32_are_refused_before_loading(monkeypatch):
-    import specforge.target.adapter as adapter
+    import specforge.runtime.target as adapter
 
     def no_load(*a, **k):
         raise AssertionError("loaded the model before refusing")
 
     monkeypatch.setattr(adapter, "load_hf", no_load)
     with pytest.raises(NativeWeightsError, match="dtype=bfloat16.*not float32"):
-        TargetModel.load("smollm2", "float32", weights="native")
+        load_target("smollm2", dtype="float32", weights="native", backend="torch")
 
 
 @pytest.mark.slow  # profiles the real SmolLM2

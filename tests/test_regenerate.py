@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from specforge.config import EngineConfig
-from specforge.data.chat import Conversation
+from specforge.conversations.chat import Conversation
 from specforge.data.regeneration import (
     MANIFEST,
     RegenerationError,
@@ -21,7 +21,7 @@ from specforge.data.regeneration import (
 )
 from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import get_host
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel, load_target
 from tiny_models import save_tiny, save_tokenizer
 
 CONTEXT = 64
@@ -45,7 +45,7 @@ def target(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     save_tiny("llama", d, seed=5)
     save_tokenizer(d)
-    return TargetModel.load(str(d), "float32")
+    return load_target(str(d), dtype="float32", backend="torch")
 
 
 def dataset() -> list[Conversation]:

@@ -12,7 +12,7 @@ from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.features import compute_features
 from specforge.plugins import PluginHost
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from specforge_plugins.drafters.block.checkpoint import save_drafter
 from tiny_models import tiny_model
 

@@ -183,7 +183,7 @@ def test_profile_file_is_equivalent_to_inline_sps(host, tmp_path):
 
 def test_a_profile_measured_for_another_target_or_dtype_is_refused_at_bind(host, tmp_path):
     from specforge.hardware import HardwareProfileError
-    from specforge.target import TargetModel
+    from specforge.runtime import TargetModel
     from tiny_models import tiny_model
 
     target = TargetModel(tiny_model("llama", seed=7, vocab=64, eos=None), None, torch.float32)
@@ -212,7 +212,7 @@ def test_profile_auto_measures_this_machines_curve_once_and_the_engine_binds_it(
     first use and caches it; a second engine reads the cache (nothing measured again)."""
     import specforge.toolkit.step_curve as profiling
     from specforge.engine import Engine, GenerationRequest
-    from specforge.target import TargetModel
+    from specforge.runtime import TargetModel
     from tiny_models import tiny_model
 
     monkeypatch.setenv("SPECFORGE_CACHE_DIR", str(tmp_path))

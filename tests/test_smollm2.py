@@ -14,7 +14,7 @@ from specforge.evalsets import select_prompts
 from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.plugins import PluginHost
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel, load_target
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ SETS = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
 
 @pytest.fixture(scope="module")
 def target():
-    return TargetModel.load("smollm2", "float32")
+    return load_target("smollm2", dtype="float32", backend="torch")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_the_cached_gguf_conversion_is_the_same_checkpoint(tmp_path, monkeypatch
     # The first float32 load writes the converted GGUF as safetensors + tokenizer; a later load
     # reads that instead of converting again.  It must be the same model, byte for byte, with the
     # same tokenizer, chat template and end-of-sequence ids.
-    from specforge.target.loading import _load, load_hf, resolve_model
+    from specforge.model_files import _load, load_hf, resolve_model
 
     monkeypatch.setenv("SPECFORGE_CACHE_DIR", str(tmp_path))
     direct, tok_direct = _load(*resolve_model("smollm2"), torch.float32)

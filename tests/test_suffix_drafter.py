@@ -19,7 +19,7 @@ from specforge.errors import SpecforgeError
 from specforge.plugins import PluginHost
 from specforge.protocols import Learns
 from specforge.sampling import SamplingParams
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel
 from specforge.toolkit.corpus import answer_documents
 from specforge_plugins.drafters import SuffixConfig, SuffixDrafter
 from specforge_plugins.drafters.suffix.index import SuffixIndex

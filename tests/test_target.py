@@ -5,12 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specforge.target import (
-    TargetLoadError,
-    TargetModel,
-    UnsupportedModelError,
-    VarlenBatch,
-)
+from specforge.model_args import UnsupportedModelError
+from specforge.model_files import TargetLoadError
+from specforge.passes import VarlenBatch
+from specforge.runtime import TargetModel, load_target
 from tiny_models import FAMILIES, save_tiny, tiny_model
 
 # fp32, same weights, different fusion of the projections: agreement to float rounding.  Gemma's
@@ -23,12 +21,12 @@ def target(request, tmp_path_factory):
     # "llama-compiled": the same oracle checks through the torch.compile'd forward
     family, _, compiled = request.param.partition("-")
     if compiled:
-        from specforge.target.compiled import compile_available
+        from specforge.toolkit.compiled import compile_available
 
         if not compile_available():
             pytest.skip("no C++ compiler for inductor")
     path = save_tiny(family, tmp_path_factory.mktemp(request.param))
-    return TargetModel.load(str(path), "float32", compile=bool(compiled))
+    return load_target(str(path), dtype="float32", compile=bool(compiled), backend="torch")
 
 
 def prefill_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
@@ -118,8 +116,8 @@ def test_repeated_logits_rows_are_each_the_rows_logits(target):
 def test_bfloat16_runtime_stays_close(tmp_path):
     path = save_tiny("llama", tmp_path / "m")
     ids = list(range(3, 30))
-    fp32 = prefill_logits(TargetModel.load(str(path), "float32"), ids)
-    bf16 = prefill_logits(TargetModel.load(str(path), "bfloat16"), ids)
+    fp32 = prefill_logits(load_target(str(path), dtype="float32", backend="torch"), ids)
+    bf16 = prefill_logits(load_target(str(path), dtype="bfloat16", backend="torch"), ids)
     assert bf16.dtype == torch.float32  # logits are always handed out in float32
     assert (fp32.argmax(-1) == bf16.argmax(-1)).float().mean() > 0.8
     assert torch.allclose(fp32.softmax(-1), bf16.softmax(-1), atol=0.05)
@@ -130,14 +128,14 @@ def test_bfloat16_runtime_stays_close(tmp_path):
 
 def test_unknown_path_is_one_clear_error():
     with pytest.raises(TargetLoadError, match="no model at 'no/such/model'.*embedded name"):
-        TargetModel.load("no/such/model")
+        load_target("no/such/model", backend="torch")
 
 
 def test_directory_without_safetensors_is_refused(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
     with pytest.raises(TargetLoadError, match="pickled .bin checkpoints are refused"):
-        TargetModel.load(str(tmp_path))
+        load_target(str(tmp_path), backend="torch")
 
 
 def test_unsupported_architecture_is_named(tmp_path):
@@ -145,7 +143,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported.*llama"):
-        TargetModel.load(str(tmp_path))
+        load_target(str(tmp_path), backend="torch")
 
 
 def test_gguf_of_an_unsupported_architecture(tmp_path):
@@ -161,7 +159,7 @@ def test_gguf_of_an_unsupported_architecture(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(TargetLoadError, match="odd.gguf.*bert"):
-        TargetModel.load(str(path))
+        load_target(str(path), backend="torch")
 
 
 def test_a_checkpoint_missing_weights_is_refused_not_randomly_filled(tmp_path):
@@ -172,18 +170,18 @@ def test_a_checkpoint_missing_weights_is_refused_not_randomly_filled(tmp_path):
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(TargetLoadError, match="missing weights.*layers.1.mlp.down_proj"):
-        TargetModel.load(str(path))
+        load_target(str(path), backend="torch")
 
 
 def test_not_a_gguf_file(tmp_path):
     path = tmp_path / "weights.pt"
     path.write_bytes(b"x")
     with pytest.raises(TargetLoadError, match="must be a .gguf"):
-        TargetModel.load(str(path))
+        load_target(str(path), backend="torch")
 
 
 def test_embedded_model_resolves_without_network():
-    from specforge.target.loading import resolve_model
+    from specforge.model_files import resolve_model
 
     directory, name = resolve_model("smollm2")
     assert (directory / name).is_file() and name.endswith(".gguf")
@@ -199,7 +197,7 @@ def test_cache_hands_out_the_lowest_free_slot():
     # Requests admitted together get consecutive slots in admission order, whatever order the
     # previous ones finished in: the padded attention reads them without a gather, and a
     # compiled forward keeps one layout (no new graph for the second batch).
-    from specforge.target.cache import KVCache
+    from specforge.runtime.torch.cache import KVCache
 
     cache = KVCache(1, 4, 1, 8, 2, torch.float32, "cpu")
     assert [cache.allocate() for _ in range(4)] == [0, 1, 2, 3]
@@ -213,7 +211,7 @@ def test_cache_hands_out_the_lowest_free_slot():
 
 def _fake_gguf(tmp_path, monkeypatch):
     """A GGUF "file" whose conversion is a tiny Llama with a real tokenizer; counts conversions."""
-    import specforge.target.loading as loading
+    import specforge.model_files as loading
     from tiny_models import save_tokenizer
 
     gguf = tmp_path / "src" / "m.gguf"
@@ -235,7 +233,7 @@ def _fake_gguf(tmp_path, monkeypatch):
 
 
 def test_a_converted_gguf_is_cached_and_reused(tmp_path, monkeypatch):
-    from specforge.target.loading import gguf_cache_dir, load_hf
+    from specforge.model_files import gguf_cache_dir, load_hf
 
     gguf, calls = _fake_gguf(tmp_path, monkeypatch)
     first, tok1 = load_hf("whatever.gguf")
@@ -266,7 +264,7 @@ def test_a_converted_gguf_is_cached_and_reused(tmp_path, monkeypatch):
 
 
 def test_an_unwritable_gguf_cache_warns_and_still_loads(tmp_path, monkeypatch):
-    from specforge.target.loading import load_hf
+    from specforge.model_files import load_hf
 
     gguf, calls = _fake_gguf(tmp_path, monkeypatch)
     blocker = tmp_path / "cache"
@@ -282,12 +280,12 @@ def test_a_truncated_checkpoint_is_one_clear_error(tmp_path):
     weights = path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:64])
     with pytest.raises(TargetLoadError, match="cannot load .*m"):
-        TargetModel.load(str(path))
+        load_target(str(path), backend="torch")
 
 
 def test_peers_get_the_cached_conversion_as_a_directory(tmp_path, monkeypatch):
     # vLLM reads HF directories only: it gets the loader's own cached conversion, not a copy.
-    from specforge.target.loading import converted_checkpoint, gguf_cache_dir, load_hf
+    from specforge.model_files import converted_checkpoint, gguf_cache_dir, load_hf
 
     gguf, calls = _fake_gguf(tmp_path, monkeypatch)
     path = converted_checkpoint("whatever.gguf")
@@ -302,7 +300,7 @@ def test_peers_get_the_cached_conversion_as_a_directory(tmp_path, monkeypatch):
 
 
 def test_peers_get_an_error_when_the_conversion_cannot_be_written(tmp_path, monkeypatch):
-    from specforge.target.loading import converted_checkpoint
+    from specforge.model_files import converted_checkpoint
 
     _fake_gguf(tmp_path, monkeypatch)
     (tmp_path / "cache").write_text("a file where the cache directory should be")

@@ -197,7 +197,7 @@ def test_a_vocabulary_too_large_or_for_another_target_is_one_clear_error(target,
     from specforge.errors import SpecforgeError
     from specforge.vocab import DraftVocabError
     from tiny_models import tiny_model
-    from specforge.target.adapter import TargetModel
+    from specforge.runtime.target import TargetModel
 
     with pytest.raises(DraftVocabError, match="drafter.draft_vocab: 96 is not smaller than the target's 96"):
         Trainer(_config(tmp_path / "big", {"draft_vocab": 96}, steps=1), target=target,

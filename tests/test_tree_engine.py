@@ -12,7 +12,8 @@ from specforge.config import EngineConfig, SamplingConfig
 from specforge.engine import Engine, GenerationRequest
 from specforge.errors import ConfigError
 from specforge.registry import ComponentKind
-from specforge.target import TargetModel, VarlenBatch
+from specforge.passes import VarlenBatch
+from specforge.runtime import TargetModel
 from specforge_conformance import probes
 from specforge_conformance.drafters import RandomTreeConfig, RandomTreeDrafter
 from specforge_conformance.harness import Case, check_case

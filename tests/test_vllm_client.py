@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge.bench.vllm_client import VllmNotInstalled, find_vllm_python
-from specforge.bench.vllm_drafter import VllmDrafterSettings, passed, run_vllm_drafter, table
+from specforge.peers.vllm import VllmNotInstalled, find_vllm_python
+from specforge.bench.peer_drafter import passed, run_vllm_drafter, table
+from specforge.peers.vllm_drafter import VllmDrafterSettings
 from specforge.config import EngineConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest
 from specforge.errors import ConfigError
 from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.features import compute_features
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel, load_target
 from specforge.training.config import TrainConfig
 from specforge.training.data import MemorySource
 from specforge.training.trainer import Trainer
@@ -81,7 +82,7 @@ def _memorising_drafter(target: TargetModel, prompt_ids: list[list[int]], out: P
 @pytest.mark.slow
 @pytest.mark.skipif(not _vllm_installed(), reason="vLLM's CPU build is not installed (make vllm)")
 def test_vllm_serves_an_eagle3_drafter_trained_here_losslessly_and_accepts_as_much_as_we_do(tmp_path):
-    target = TargetModel.load("smollm2", "float32")
+    target = load_target("smollm2", dtype="float32", backend="torch")
     prompt_ids = [apply_chat_template(target.tokenizer, p.text) for p in select_prompts("gsm8k", PROMPTS)]
     drafter = _memorising_drafter(target, prompt_ids, tmp_path / "train")
     settings = VllmDrafterSettings(datasets=("gsm8k",), prompts=PROMPTS, max_new_tokens=NEW, trials=1)

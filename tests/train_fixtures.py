@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import tiny_model  # noqa: E402
 
 from specforge.features import compute_features  # noqa: E402
-from specforge.target.adapter import TargetModel  # noqa: E402
+from specforge.runtime.target import TargetModel  # noqa: E402
 from specforge.training.config import TrainConfig  # noqa: E402
 from specforge.training.data import MemorySource  # noqa: E402
 

@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from specforge.features import FeatureCache
     from specforge.machine import machine
-    from specforge.target import TargetModel
+    from specforge.runtime import load_target
     from specforge.toolkit.formats import rope_theta as rope_base
     from specforge.training.data import epoch_order
 
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = FeatureCache(args.features)
     if not cache.complete:
         raise ReferenceError(f"--features {args.features}: the cache is not complete; finish it with specforge train")
-    target = TargetModel.load(args.target or cache.manifest.target_name, dtype="float32")
+    target = load_target(args.target or cache.manifest.target_name, dtype="float32", backend="torch")
     cache = FeatureCache(args.features, target)  # now also checked against the target that wrote it
     rt = target.runtime
     rope_theta = rope_base(target.hf_model.config.to_dict()) or 10000.0

@@ -1,7 +1,7 @@
 """Benchmarks (``specforge bench WHAT``): prompts, the HF transformers baseline and the vLLM CPU peer,
 and one module per benchmark.
 
-Each module of :data:`BENCHES` declares its own sub-command as ``COMMAND``
+Each module of :data:`BENCHES` declares its own sub-command as ``COMMAND`` (or several, ``COMMANDS``)
 (:func:`specforge.bench.runner.bench_command`: its options, its measurement, how its result is kept
 and shown), and the command line adds whatever :func:`commands` lists.
 """
@@ -17,10 +17,14 @@ if TYPE_CHECKING:
 __all__ = ["BENCHES", "commands"]
 
 # In the order `specforge bench --help` lists them.
-BENCHES = ("engine_bench", "ab", "round", "drafters", "probe", "serving", "vllm_drafter", "llamacpp_drafter", "attention")
+BENCHES = ("engine_bench", "ab", "round", "drafters", "probe", "serving", "peer_drafter", "attention")
 
 
 def commands() -> list[Subcommand]:
     """The ``COMMAND`` of every module of :data:`BENCHES` (importing them: the command line needs
     each one's options to build its parser)."""
-    return [importlib.import_module(f"{__name__}.{module}").COMMAND for module in BENCHES]
+    found = []
+    for module in BENCHES:
+        loaded = importlib.import_module(f"{__name__}.{module}")
+        found.extend(getattr(loaded, "COMMANDS", None) or [loaded.COMMAND])
+    return found

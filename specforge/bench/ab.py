@@ -41,15 +41,15 @@ from specforge.engine import GenerationRequest
 from specforge.errors import SpecforgeError
 from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.machine import machine
-from specforge.target import TargetModel
-from specforge.target.adapter import dtype_name
+from specforge.runtime import load_target
+from specforge.runtime.target import dtype_name
 
 __all__ = ["ARMS", "ABError", "COMMAND", "REPORT", "quartiles", "ratios", "run_ab", "table"]
 
 _BASE_ARMS = [f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram")]
 _PRECISIONS = ("auto", "float32", "bfloat16")
 # An engine arm may name its precision (``eager-plain/float32``; default auto) and its KV cache's
-# dtype (specforge.target.kv_dtype): ``eager-plain:float32``; without one the cache is ``auto``'s
+# dtype (specforge.runtime.torch.kv_dtype): ``eager-plain:float32``; without one the cache is ``auto``'s
 # choice on this machine.
 _WITH_PRECISION = [*_BASE_ARMS, *(f"{a}/{p}" for a in _BASE_ARMS for p in _PRECISIONS)]
 ENGINE_ARMS = [*_WITH_PRECISION, *(f"{a}:{kv}" for a in _WITH_PRECISION for kv in ("model", "float32"))]
@@ -83,7 +83,7 @@ class _Arms:
     def __init__(self, arms: Sequence[str], concurrency: int, max_new_tokens: int) -> None:
         engine_arms = [a for a in arms if _parts(a)[0] != "hf"]
         # one target per (weights, precision) the arms name
-        self.targets = {key: TargetModel.load("smollm2", key[1], weights=key[0])
+        self.targets = {key: load_target("smollm2", dtype=key[1], weights=key[0], backend="torch")
                         for key in dict.fromkeys((_weights(a), _parts(a)[1]) for a in engine_arms)}
         self.tokenizer = (next(iter(self.targets.values())).tokenizer if self.targets
                           else load_smollm2("float32")[1])

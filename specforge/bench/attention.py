@@ -121,7 +121,7 @@ def sharegpt_contexts(n: int) -> list[int]:
 
     from specforge.data.sharegpt import load_sharegpt
     from specforge.evalsets import apply_chat_template
-    from specforge.target.loading import converted_checkpoint
+    from specforge.model_files import converted_checkpoint
 
     tokenizer = AutoTokenizer.from_pretrained(converted_checkpoint("smollm2"))
     conversations, _ = load_sharegpt(limit=n, progress=False)

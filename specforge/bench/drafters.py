@@ -386,7 +386,7 @@ def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say,
     ``train_only``: stop after training (None) — training is counted in steps, so it may share the
     machine; the measuring call that follows wants it quiet."""
     from specforge.evaluation import EvalSettings, evaluate
-    from specforge.target import TargetModel
+    from specforge.runtime import Needs, load_target
 
     out = Path(bench.out)
     datasets = [str(out / TRAINING_PROMPTS)] if bench.on_training_prompts else list(bench.datasets)
@@ -395,7 +395,9 @@ def run_drafters_bench(bench: DraftersBench, say: Callable[[str], None] = _say,
     if not bench.on_training_prompts:
         settings.prompt_sets()  # a missing eval set fails now, not after hours of training
     first = _train_config(bench, next(iter(bench.methods)), out, None, None)
-    target = TargetModel.load(first.target.model, first.target.dtype)
+    # One target for every method, trained and evaluated on it: the pipeline's target section whole,
+    # with a backend that can tap any layer a method picks (they are known only once built on it).
+    target = load_target(first.target, needs=lambda args: Needs(tuple(range(args.n_layers))))
     if prepare_only:
         prepare(bench, target, say)
         return None

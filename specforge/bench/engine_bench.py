@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from specforge.acceptance import AcceptanceCounts
-from specforge.bench.hf_baseline import bench_hf, rounds_for, summarize
+from specforge.bench.hf_baseline import bench_hf
+from specforge.peers.records import rounds_for, summarize
 from specforge.bench.runner import TEMPERATURE, Report, add_output_arguments, bench_command
 from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.config import EngineConfig, PipelineConfig, SamplingConfig
@@ -34,7 +35,8 @@ from specforge.hardware import HardwareProfile
 from specforge.machine import machine
 from specforge.plugins import get_host
 from specforge.toolkit.step_curve import DEFAULT_BATCHES, measure_sps
-from specforge.target import TargetModel
+from specforge.runtime import TargetModel, load_target
+from specforge.runtime.target import DTYPES
 
 __all__ = ["COMMAND", "ENGINE_VARIANTS", "REPORT", "bench_engine_variant", "run_engine_benchmark", "table", "plot",
            "variant_engine"]
@@ -241,7 +243,7 @@ def run_engine_benchmark(
     curve of its own; ``llamacpp`` is llama.cpp decoding the GGUF itself (:mod:`.llamacpp_peer`);
     ``llamacpp-dspark``/``llamacpp-dflash`` run a drafter of ``drafters`` (method -> checkpoint,
     default :data:`DEFAULT_DRAFTERS`) in llama-server and in the engine, at one request."""
-    target = TargetModel.load("smollm2", dtype, weights=weights, backend="torch")
+    target = load_target("smollm2", dtype=dtype, weights=weights, backend="torch")
     peer_dtypes = ["float32", "bfloat16"] if dtype == "auto" else [dtype]
     trunk = _compiled_trunk(target) if compiled and "specforge" in systems else None
     picked = select_prompts(datasets, n_prompts, directory=eval_directory)
@@ -253,7 +255,7 @@ def run_engine_benchmark(
         records.extend(bench_hf(prompt_ids, dtypes=peer_dtypes, concurrencies=[1],
                                 max_new_tokens=max_new_tokens, progress=progress))
     if "llamacpp" in systems:
-        from specforge.bench.llamacpp_peer import bench_llamacpp, bench_llamacpp_server
+        from specforge.peers.llamacpp import bench_llamacpp, bench_llamacpp_server
 
         records.extend(bench_llamacpp(_gguf(target), prompt_ids, concurrency, max_new_tokens, progress=progress))
         records.extend(bench_llamacpp_server(_gguf(target), prompt_ids, concurrency, max_new_tokens,
@@ -277,7 +279,7 @@ def run_engine_benchmark(
             records.extend(_bench_drafter(system, method, {**DEFAULT_DRAFTERS, **(drafters or {})}.get(method),
                                           target, engines, prompt_ids, max_new_tokens, progress))
     if "vllm" in systems:
-        from specforge.bench.vllm_client import bench_vllm
+        from specforge.peers.vllm import bench_vllm
 
         for peer_dtype in peer_dtypes:
             records.extend(bench_vllm(prompt_ids, concurrencies=list(concurrency),
@@ -309,26 +311,23 @@ def run_engine_benchmark(
 
 
 def _gguf(target: TargetModel) -> Path:
-    from specforge.target.loading import resolve_model
+    from specforge.model_files import resolve_model
 
     directory, name = resolve_model(target.name)
     return directory / name
 
 
 def _llamacpp_target(target: TargetModel) -> tuple[TargetModel | None, dict[str, Any] | None]:
-    """The same GGUF on the llama.cpp backend, sharing the loaded Hugging Face model, or
-    ``(None, a skipped record)`` where the binding is not there."""
-    from specforge.llamacpp.binding import BindingError, load
+    """The same GGUF loaded on the llama.cpp backend (its torch side, for the drafters, in the
+    torch target's primary precision), or ``(None, a skipped record)`` where the binding is not there."""
+    from specforge.runtime.llamacpp.libllama import BindingError
 
+    primary = target.precision.primary
     try:
-        load()
+        fast = load_target(target.name, dtype=primary if primary in DTYPES else "bfloat16", backend="llama.cpp")
     except BindingError as exc:
         return None, {"system": "specforge-llamacpp", "variant": "plain", "dtype": "llama.cpp", "concurrency": None,
                       "status": "skipped", "reason": str(exc), "tok_s": None}
-    fast = TargetModel(target.hf_model, target.tokenizer, target.dtype, name=target.name,
-                       runtimes={target.precision.primary: target.runtime},
-                       precision=type(target.precision).fixed(target.precision.primary), gguf=_gguf(target),
-                       backend="llama.cpp")
     return fast, None
 
 
@@ -340,8 +339,8 @@ def _bench_drafter(system: str, method: str, checkpoint: str | None, target: Tar
     hw-prefix; one request at a time."""
     import tempfile
 
-    from specforge.bench.llamacpp_drafter import server_flags
-    from specforge.bench.llamacpp_peer import _skipped, bench_llamacpp_server
+    from specforge.peers.llamacpp_drafter import server_flags
+    from specforge.peers.llamacpp import _skipped, bench_llamacpp_server
     from specforge.bench.peer_drafter import serving_pipeline
     from specforge.interop import drafter_directory, export_checkpoint
 

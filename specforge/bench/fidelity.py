@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from specforge.target import TargetModel
-from specforge.target.batch import VarlenBatch
+from specforge.runtime import TargetModel
+from specforge.passes import VarlenBatch
 
 __all__ = ["rendering_fidelity"]
 

@@ -5,7 +5,7 @@ every request produces exactly that many tokens and every system in the benchmar
 work.  At concurrency ``c > 1`` the ``c`` prompts of a round form one left-padded batch.
 
 Results are plain dicts, one record per (system, variant, concurrency), the same shape as the
-records of :mod:`specforge.bench.vllm_client`, so the engine benchmark can put them in one table::
+records of :mod:`specforge.peers.vllm`, so the engine benchmark can put them in one table::
 
     {
       "system": "hf-generate",          # hf-generate | vllm-cpu | specforge (the engine)
@@ -32,14 +32,13 @@ together and, ignoring EOS, all finish with it).  ``specforge bench engine`` run
 
 from __future__ import annotations
 
-import math
-import os
-import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from specforge.peers.records import loadavg, rounds_for, summarize
 
 __all__ = [
     "DTYPES",
@@ -47,10 +46,8 @@ __all__ = [
     "bench_hf",
     "load_smollm2",
     "load_smollm2_tokenizer",
-    "rounds_for",
     "run_generate",
     "smollm2_gguf",
-    "summarize",
 ]
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -69,7 +66,7 @@ def smollm2_gguf() -> tuple[Path, str]:
     The target loader's own lookup (the package is located, never imported), so the benchmark
     baseline and the engine always load the same file.
     """
-    from specforge.target.loading import resolve_model
+    from specforge.model_files import resolve_model
 
     directory, name = resolve_model("smollm2")
     assert name is not None
@@ -87,7 +84,7 @@ def load_smollm2(dtype: str = "float32", tokenizer: bool = True) -> tuple[Any, A
     """SmolLM2-135M-Instruct from the GGUF (dequantized), in eval mode → ``(model, tokenizer)``."""
     import torch
 
-    from specforge.target.loading import load_hf
+    from specforge.model_files import load_hf
 
     # Through the target loader for its cache of the converted GGUF (a 20 s conversion); the
     # checkpoint is the same, so generate() is measured unchanged.
@@ -99,51 +96,6 @@ def load_smollm2(dtype: str = "float32", tokenizer: bool = True) -> tuple[Any, A
 # --------------------------------------------------------------------------------------------
 # measurement
 # --------------------------------------------------------------------------------------------
-
-
-def rounds_for(n_prompts: int, concurrency: int, min_rounds: int = 2) -> list[list[int]]:
-    """Prompt indices of each timed round: ``c`` per round, at least ``min_rounds`` rounds and at
-    least ``n_prompts`` requests (rounded up to whole rounds), cycling through the prompts."""
-    if n_prompts < 1 or concurrency < 1:
-        raise ValueError("need at least one prompt and concurrency ≥ 1")
-    rounds = max(min_rounds, math.ceil(n_prompts / concurrency))
-    return [[(r * concurrency + j) % n_prompts for j in range(concurrency)] for r in range(rounds)]
-
-
-def _loadavg() -> float | None:
-    """1-minute load average: other work on the machine skews the timings."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
-
-
-def summarize(
-    round_times: Sequence[float],
-    new_tokens: Sequence[Sequence[int]],
-    prompt_tokens: int,
-) -> dict[str, Any]:
-    """Aggregate and per-request rates from per-round wall times and per-request token counts."""
-    wall = float(sum(round_times))
-    total = int(sum(sum(r) for r in new_tokens))
-    lat = [t for t, r in zip(round_times, new_tokens) for _ in r]
-    per_req = [n / t for t, r in zip(round_times, new_tokens) for n in r if t > 0]
-    return {
-        "n_requests": sum(len(r) for r in new_tokens),
-        "rounds": len(round_times),
-        "prompt_tokens": int(prompt_tokens),
-        "new_tokens": total,
-        "wall_s": round(wall, 4),
-        "tok_s": round(total / wall, 3) if wall > 0 else None,
-        "per_request_tok_s": round(statistics.fmean(per_req), 3) if per_req else None,
-        "latency_s": {
-            "mean": round(statistics.fmean(lat), 4),
-            "p50": round(statistics.median(lat), 4),
-            "max": round(max(lat), 4),
-        }
-        if lat
-        else None,
-    }
 
 
 def _batch(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[Any, Any]:
@@ -203,7 +155,7 @@ def _measure_one(
     from tqdm.auto import tqdm
 
     plan = rounds_for(len(prompt_ids), concurrency, min_rounds)
-    load_before = _loadavg()
+    load_before = loadavg()
     # warm-up: one short round of the same shape (batch size), untimed
     run_generate(model, [prompt_ids[i] for i in plan[0]], warmup_tokens, pad_id)
     times: list[float] = []
@@ -222,7 +174,7 @@ def _measure_one(
     short = [n for r in counts for n in r if n != max_new_tokens]
     if short:
         raise RuntimeError(f"generate stopped early: {len(short)} rows made {short[:4]} tokens, not {max_new_tokens}")
-    rec["extra"] = {"loadavg": [load_before, _loadavg()]}
+    rec["extra"] = {"loadavg": [load_before, loadavg()]}
     if keep_tokens:
         rec["outputs"] = tokens
     return rec

@@ -1,7 +1,7 @@
 """A drafter trained here, served by another engine, beside the same drafter in specforge's engine.
 
 The benches ``specforge bench vllm-drafter`` and ``bench llamacpp-drafter`` are one measurement
-with two peers (:class:`Peer`, one sibling module each): the drafter is exported in the peer's
+with two peers (:class:`~specforge.peers.drafter_peer.Peer`, one sibling module each in :mod:`specforge.peers`): the drafter is exported in the peer's
 layout with ``specforge export`` and the peer loads that file or folder itself.  Both systems
 decode the same chat-templated prompts of the eval sets greedily, EOS ignored, ``max_new_tokens``
 each, one request at a time, plainly and with the drafter (γ = the drafter's).  Three checks:
@@ -24,15 +24,19 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from specforge.bench.runner import TEMPERATURE
+from specforge.bench.runner import Report, add_output_arguments, bench_command
 from specforge.errors import ConfigError
+from specforge.peers.drafter_peer import Peer, PeerDrafterSettings, PeerRun
+from specforge.peers.records import TEMPERATURE
+from specforge.peers.vllm_drafter import VllmDrafterSettings, VllmPeer
+from specforge.peers.llamacpp_drafter import LlamaCppPeer
 
-__all__ = ["ACCEPTANCE", "Peer", "PeerDrafterSettings", "PeerRun", "add_peer_arguments", "passed",
-           "run_peer_drafter", "serving_pipeline", "settings_from", "table"]
+__all__ = ["ACCEPTANCE", "COMMANDS", "add_peer_arguments", "passed", "run_llamacpp_drafter", "run_peer_drafter",
+           "run_vllm_drafter", "serving_pipeline", "settings_from", "table"]
 
 #: The acceptance statistics a peer may report, and how ours is computed in the same definition
 #: from pooled :class:`~specforge.acceptance.AcceptanceCounts`.
@@ -42,59 +46,6 @@ ACCEPTANCE = {
     # accepted / drafted tokens (llama.cpp's ``accept`` line and ``draft_n_accepted / draft_n``)
     "acceptance rate": lambda c: c.accepted / c.verified if c.verified else float("nan"),
 }
-
-
-@dataclass
-class PeerDrafterSettings:
-    """What to decode (the eval sets, prompts per set, tokens per prompt), the acceptance
-    tolerance, and specforge's side (``overrides`` of its pipeline)."""
-
-    datasets: Sequence[str] = ("gsm8k", "humaneval", "mt-bench")
-    prompts: int = 4
-    max_new_tokens: int = 128
-    tolerance: float = 0.10
-    trials: int = 2  # specforge's arms, interleaved; the fastest trial counts
-    timeout: float = 1800.0  # seconds per peer variant, its start-up included
-    eval_dir: str | None = None
-    overrides: Sequence[str] = field(default_factory=tuple)  # pipeline key=value for specforge's side
-
-
-@dataclass
-class PeerRun:
-    """What a peer measured: its tokens per prompt plain and with the drafter, its speeds, and its
-    acceptance statistic (overall and, where it reports per request, per prompt)."""
-
-    plain_tokens: list[list[int]]
-    drafter_tokens: list[list[int]]
-    plain_tok_s: float
-    drafter_tok_s: float
-    acceptance: float
-    drafted: int | None = None
-    accepted: int | None = None
-    per_prompt: list[tuple[int, int]] | None = None  # (drafted, accepted) of each request, where reported
-    commands: list[str] = field(default_factory=list)  # how to rerun what the peer ran
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class Peer(Protocol):
-    """An engine that serves exported drafters (vLLM, llama.cpp)."""
-
-    name: str  # as tables print it
-    layout: str  # ``specforge export --to`` of its files
-    methods: dict[str, str]  # specforge drafter method -> the peer's name for it
-    acceptance: str  # a key of ACCEPTANCE: the statistic the peer reports
-    pipeline_overrides: tuple[str, ...]  # what specforge's side runs with, before the user's
-
-    def check(self) -> str:
-        """Raise (naming the install command) when the peer cannot run; its version."""
-
-    def export_path(self, method: str, out: Path) -> Path:
-        """Where the exported drafter goes under ``out``."""
-
-    def run(self, export: Path, method: str, gamma: int, prompt_ids: list[list[int]],
-            settings: PeerDrafterSettings, out: Path, progress: bool, target: str) -> PeerRun | dict[str, Any]:
-        """Decode every prompt plainly and with the drafter, the target being ``target`` (the
-        pipeline's ``target.model``); a dict says what failed instead."""
 
 
 def serving_pipeline(drafter_dir: Path, methods: Sequence[str], overrides: Sequence[str],
@@ -169,7 +120,7 @@ def run_peer_drafter(peer: Peer, drafter_dir: str | Path, settings: PeerDrafterS
     from specforge.evalsets import apply_chat_template, select_prompts
     from specforge.interop import drafter_directory, export_checkpoint
     from specforge.machine import machine
-    from specforge.target import TargetModel
+    from specforge.engine import load_pipeline_target
 
     drafter_dir, out = drafter_directory(drafter_dir), Path(out)
     method, pipeline = serving_pipeline(drafter_dir, list(peer.methods),
@@ -180,7 +131,7 @@ def run_peer_drafter(peer: Peer, drafter_dir: str | Path, settings: PeerDrafterS
         shutil.rmtree(export)  # our own output of an earlier run
     notes = export_checkpoint(drafter_dir, peer.layout, export)
 
-    target = TargetModel.from_config(pipeline.target)
+    target = load_pipeline_target(pipeline)
     names, prompt_ids = [], []
     for name in settings.datasets:
         for p in select_prompts(name, settings.prompts, settings.eval_dir):
@@ -302,3 +253,68 @@ def settings_from(args: argparse.Namespace, cls: type[PeerDrafterSettings] = Pee
                   **more: Any) -> PeerDrafterSettings:
     return cls(datasets=args.datasets, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                tolerance=args.tolerance, eval_dir=args.eval_dir, overrides=args.overrides, **more)
+
+
+# -- the two benches ----------------------------------------------------------------------------
+
+
+def run_vllm_drafter(drafter_dir: str | Path, settings: VllmDrafterSettings, out: str | Path,
+                     progress: bool = True) -> dict[str, Any]:
+    """Export ``drafter_dir`` for vLLM under ``out``, decode with both systems, check them."""
+    return run_peer_drafter(VllmPeer(settings.dtype), drafter_dir, settings, out, progress)
+
+
+def run_llamacpp_drafter(drafter_dir: str | Path, settings: PeerDrafterSettings, out: str | Path,
+                         progress: bool = True) -> dict[str, Any]:
+    """Export ``drafter_dir`` for llama.cpp under ``out``, decode with both systems, check them."""
+    return run_peer_drafter(LlamaCppPeer(), drafter_dir, settings, out, progress)
+
+
+REPORT = Report("bench.json", table, table_file="table.md")
+
+
+def _vllm_arguments(p: argparse.ArgumentParser) -> None:
+    d = VllmDrafterSettings()
+    add_peer_arguments(p, d)
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"],
+                   help="both systems' dtype (bfloat16 rounds a γ+1-token verify pass differently from a one-token "
+                        "step, so near-ties flip the greedy output)")
+    add_output_arguments(p, "runs/bench-vllm-drafter")
+
+
+def _measure_vllm(args: argparse.Namespace) -> dict[str, Any]:
+    """serve a drafter trained here with vLLM's CPU build (exported with `specforge export --to vllm`) and
+    compare it with specforge's engine
+
+    Exports DRAFTER_DIR in vLLM's layout, then decodes the same prompts greedily with vLLM (plain and
+    with the drafter as its speculative model) and with specforge's engine (plain and with the
+    drafter).  Checks that vLLM's output with the drafter equals its plain output token for token and
+    that vLLM's mean acceptance length is within the tolerance of ours; reports both systems'
+    speedups over their own plain decoding.  Needs vLLM's CPU build (`make vllm`).  Exit status 1
+    when a check fails.
+    """
+    return run_vllm_drafter(args.drafter, settings_from(args, VllmDrafterSettings, dtype=args.dtype), args.out)
+
+
+def _llamacpp_arguments(p: argparse.ArgumentParser) -> None:
+    add_peer_arguments(p, PeerDrafterSettings())
+    add_output_arguments(p, "runs/bench-llamacpp-drafter")
+
+
+def _measure_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
+    """run a DSpark or DFlash drafter trained here in llama.cpp (exported with `specforge export --to llama.cpp`)
+    and compare it with specforge's engine
+
+    Exports DRAFTER (a checkpoint directory or shipped:NAME) as GGUF, then decodes the same prompts
+    greedily with llama-server (plain, and with the drafter as its speculative draft) and with
+    specforge's engine on its llama.cpp target backend (plain and with the drafter).  Checks that
+    llama.cpp's output with the drafter equals its plain output token for token and that its
+    acceptance rate is within the tolerance of ours (also per eval set); reports both systems'
+    speedups over their own plain decoding.  Needs llama.cpp's tools (`make llama.cpp`).  Exit
+    status 1 when a check fails.
+    """
+    return run_llamacpp_drafter(args.drafter, settings_from(args), args.out)
+
+
+COMMANDS = [bench_command("vllm-drafter", _vllm_arguments, _measure_vllm, REPORT, passed=passed),
+            bench_command("llamacpp-drafter", _llamacpp_arguments, _measure_llamacpp, REPORT, passed=passed)]

@@ -148,11 +148,11 @@ def run_probe(features_dir: str | Path, offsets: int = 4, vocab: int = 8192, hel
               max_rows: int | None = 60000, epochs: int = 2, batch: int = 256, lr: float = 1e-3, seed: int = 0,
               drafter: str | None = None, progress: bool = True) -> dict[str, Any]:
     from specforge.features import FeatureCache
-    from specforge.target import TargetModel
+    from specforge.runtime import load_target
     from specforge.vocab import DraftVocab
 
     cache = FeatureCache(features_dir)
-    target = TargetModel.load(cache.manifest.target_name, dtype="float32")
+    target = load_target(cache.manifest.target_name, dtype="float32", backend="torch")  # replays on the teacher
     cache = FeatureCache(features_dir, target)  # the cache is the target's own
     feats = list(cache)
     if len(feats) <= held_out:

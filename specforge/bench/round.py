@@ -124,14 +124,14 @@ def run_round_benchmark(sources: Sequence[str] = ("dspark",), overrides: Sequenc
                         eval_dir: str | None = None, temperature: float = TEMPERATURE,
                         progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Every (concurrency, γ) of a speculative pipeline against plain decoding, same run."""
-    from specforge.target import TargetModel
+    from specforge.engine import load_pipeline_target
 
     base = load_pipeline(list(sources), list(overrides))
     if base.component("drafter") is None:
         from specforge.errors import ConfigError
 
         raise ConfigError(["drafter.name: bench round measures a speculative pipeline; this one has no drafter"])
-    target = TargetModel.from_config(base.target)
+    target = load_pipeline_target(base)
     prompts = select_prompts(list(datasets), max(concurrency), eval_dir)
     ids = [apply_chat_template(target.tokenizer, p.text) for p in prompts]
     started = time.perf_counter()

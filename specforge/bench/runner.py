@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specforge.peers.records import TEMPERATURE
 from specforge.commands import Subcommand
 from specforge.files import write_atomic
 from specforge.machine import machine_line
@@ -28,14 +29,6 @@ from specforge.resume import UnreadableRecord, read_record, write_record
 
 __all__ = ["TEMPERATURE", "Report", "add_output_arguments", "add_temperature_argument", "bench_command", "finish",
            "save", "unfinished"]
-
-#: The temperature every bench decodes at by default: greedy, so that every arm and every system
-#: (HF ``generate``, vLLM, the engine plain or speculative) writes the same tokens for a prompt —
-#: they do the same work, their speeds compare token for token, and a lossless drafter must leave
-#: the output unchanged.  ``bench round`` and ``bench serving`` take ``--temperature`` (acceptance,
-#: and so a round's worth, depends on it); the benches whose peers decode greedily do not.
-TEMPERATURE = 0.0
-
 
 @dataclass(frozen=True)
 class Report:

@@ -168,8 +168,8 @@ def _vllm_records(batch: list[list[int]], r: int, max_new_tokens: int, model: st
     """vLLM CPU's plain and ngram arms at concurrency ``r`` on ``batch`` (closed loop) serving the
     same target (its HF directory, or the GGUF's cached conversion), as records of this benchmark
     (``arm`` vllm-plain / vllm-ngram; τ from vLLM's draft counters, no verify-budget fields)."""
-    from specforge.bench.vllm_client import DEFAULT_VARIANTS, VllmNotInstalled, bench_vllm, find_vllm_python
-    from specforge.target.loading import converted_checkpoint
+    from specforge.peers.vllm import DEFAULT_VARIANTS, VllmNotInstalled, bench_vllm, find_vllm_python
+    from specforge.model_files import converted_checkpoint
 
     try:
         find_vllm_python()
@@ -247,8 +247,8 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     settings or another machine (CPU, threads) is refused, naming what differs."""
     from specforge.engine import Engine
     from specforge.config import load_pipeline
-    from specforge.target import TargetModel
-    from specforge.target.adapter import dtype_name
+    from specforge.engine import load_pipeline_target
+    from specforge.runtime.target import dtype_name
 
     if "plain" not in arms:
         arms = ["plain", *arms]  # the denominator of every ratio
@@ -256,7 +256,7 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     target_section = load_pipeline(list(drafter)).to_dict()["target"]
     pipelines = arm_pipelines(arms, drafter, target_section)
     first = pipelines["plain"]
-    target = TargetModel.from_config(first.target)
+    target = load_pipeline_target(*pipelines.values())
     prompts = prompt_mix(target.tokenizer, datasets, per_set, sharegpt, eval_dir)
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     m = machine()

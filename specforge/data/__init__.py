@@ -1,11 +1,9 @@
-"""Training data: ShareGPT and JSONL conversations, their regeneration by the target, and their
-tokenisation with a loss mask.
+"""Training data: ShareGPT conversations and their regeneration by the target.
 
-The submodules import nothing heavy at import time (torch and transformers only when a
-conversation is tokenised), so loading prompts stays quick.  Its names are imported on first use
-(PEP 562): the plug-in authors' toolkit reads the conversation files through two leaf modules
-(:mod:`.jsonl`, :mod:`.chat`; :mod:`specforge.toolkit.corpus`), and importing a leaf runs this
-file first — it must not pull in regeneration and the engine with it.
+The conversation format itself — JSONL files, messages, tokenisation with a loss mask — is
+:mod:`specforge.conversations`, below this package, since the plug-in authors' toolkit reads it
+too.  Names are imported on first use (PEP 562), so loading prompts never pulls in regeneration
+and the engine.
 """
 
 from __future__ import annotations
@@ -15,14 +13,10 @@ from typing import TYPE_CHECKING
 from specforge.lazy import lazy_getattr
 
 if TYPE_CHECKING:  # what type checkers and the API docs (griffe) read; at run time, __getattr__ below
-    from specforge.data.chat import ChatTemplateError, Conversation, TokenizedChat, tokenize_conversation
-    from specforge.data.jsonl import JsonlReport, LineError, iter_jsonl, load_jsonl
     from specforge.data.regeneration import RegenerationError, RegenerationReport, iter_regenerated, regenerate
     from specforge.data.sharegpt import ShareGPTReport, find_sharegpt_file, iter_sharegpt, load_sharegpt
 
-_LAZY = {"ChatTemplateError": "chat", "Conversation": "chat", "TokenizedChat": "chat", "tokenize_conversation": "chat",
-         "JsonlReport": "jsonl", "LineError": "jsonl", "iter_jsonl": "jsonl", "load_jsonl": "jsonl",
-         "RegenerationError": "regeneration", "RegenerationReport": "regeneration", "iter_regenerated": "regeneration",
+_LAZY = {"RegenerationError": "regeneration", "RegenerationReport": "regeneration", "iter_regenerated": "regeneration",
          "regenerate": "regeneration", "ShareGPTReport": "sharegpt", "find_sharegpt_file": "sharegpt",
          "iter_sharegpt": "sharegpt", "load_sharegpt": "sharegpt"}
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge.errors import SpecforgeError
-from specforge.data.chat import WRITTEN_IDS, Conversation, normalize_message
+from specforge.conversations.chat import WRITTEN_IDS, Conversation, normalize_message
 from specforge.files import remove_leftovers, write_atomic
 from specforge.resume import UnreadableRecord, read_record, refuse_other_settings, write_record
 
@@ -106,7 +106,7 @@ def split_turns(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, str]
     message); an assistant message that answers no user message (one opening the conversation,
     or a second in a row) is dropped with the rest.  A conversation that ends on a user message
     gets that message answered too.  A blank user message is no prompt (the loaders' rule,
-    :attr:`~specforge.data.chat.Conversation.has_user_turn`): it is dropped, and so is a reply to it.
+    :attr:`~specforge.conversations.chat.Conversation.has_user_turn`): it is dropped, and so is a reply to it.
     """
     kept: list[dict[str, str]] = []
     cuts: list[int] = []
@@ -495,7 +495,7 @@ def regenerate(conversations: Iterable[Conversation], target_or_engine: Any, out
                max_shards: int | None = None, progress: bool = True) -> RegenerationReport:
     """Answer every conversation's user turns with the target; write JSONL shards to ``out_dir``.
 
-    ``target_or_engine`` is a :class:`~specforge.target.TargetModel` (decoded plainly by an engine
+    ``target_or_engine`` is a :class:`~specforge.runtime.TargetModel` (decoded plainly by an engine
     of ``max_batch`` slots and ``max_context`` tokens) or a ready :class:`~specforge.engine.Engine`
     (its own batch size, context limit and drafter).  ``temperature``/``top_k``/``top_p`` left
     ``None`` take :func:`target_sampling`.  ``turns`` is ``"all"`` or ``"first"`` (answer only

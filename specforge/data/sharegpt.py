@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from specforge.errors import SpecforgeError
-from specforge.data.chat import Conversation, normalize_message, take
+from specforge.conversations.chat import Conversation, normalize_message, take
 
 __all__ = [
     "DATA_FILENAME",

@@ -20,7 +20,6 @@ import json
 import statistics
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from specforge.engine.request import GenerationRequest
 from specforge.files import write_atomic
 from specforge.hardware import DraftCost
 from specforge.machine import machine
-from specforge.target.loading import cache_root
+from specforge.caches import profile_file
 from specforge.toolkit.step_curve import profile_key
 
 __all__ = ["DRAFT_COST_REQUESTS", "machine_draft_cost", "measure_draft_cost"]
@@ -109,7 +108,7 @@ def machine_draft_cost(engine: Any, log: Any = None) -> DraftCost:
     """This machine's ρ(R) for ``engine``'s drafting side: measured once (seconds) and cached
     under ``$SPECFORGE_CACHE_DIR/profiles`` beside the step curve — what ``draft_cost: auto``
     of the hardware-aware schedulers reads (the engine offers it as ``bind_draft_cost``)."""
-    path = cache_root() / "profiles" / f"{Path(engine.target.name).name}-draft-{_drafting_key(engine)}.json"
+    path = profile_file(engine.target.name, _drafting_key(engine), "draft")
     if path.is_file():
         return DraftCost.load(path)
     (log or (lambda msg: print(msg, file=sys.stderr, flush=True)))(

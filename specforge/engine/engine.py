@@ -41,7 +41,7 @@ from torch import Tensor
 
 from specforge.components import DraftBlock, DraftContext, RoundOutcome, TargetFeatures, Verifier
 from specforge.config import EngineConfig, PipelineConfig, SamplingConfig
-from specforge.engine.binding import bind_components, check_calibrator, feature_taps
+from specforge.engine.bind import bind_components, check_calibrator, drafter_needs, feature_taps
 from specforge.engine.draft_cost import machine_draft_cost
 from specforge.engine.request import (
     FinishReason,
@@ -55,7 +55,8 @@ from specforge.errors import ConfigError
 from specforge.protocols import DraftCostAware, DraftGate, ObservesRounds
 from specforge.registry import ComponentKind
 from specforge.sampling import NonFiniteError, SamplingParams, draw_uniforms, sampling_problem
-from specforge.target import TargetModel, VarlenBatch
+from specforge.passes import VarlenBatch
+from specforge.runtime import Needs, TargetModel, load_target
 
 __all__ = ["Engine"]
 
@@ -128,9 +129,9 @@ class Engine:
             parts = {"drafter": drafter, "correction_head": correction_head, "confidence": confidence,
                      "calibrator": calibrator, "scheduler": scheduler, "verifier": verifier}
             self.taps = feature_taps(drafter, target) if bound else bind_components(target, parts)
-        # After the taps are known: a backend that cannot extract them says so (or, chosen by
-        # target.backend: auto, hands the passes back to torch) before it allocates a cache.
-        target.serve_taps(self.taps)
+        # After the taps are known, before a cache is allocated: a backend decided without them
+        # (load_target(needs=…) not told) that cannot extract them says so here.
+        target.require(Needs(self.taps))
         self.cache = target.new_cache(self.config.max_batch, self.context_limit)
         self._queue: deque[tuple[int, GenerationRequest]] = deque()
         self._active: list[_Active] = []  # decoding
@@ -159,9 +160,9 @@ class Engine:
     @classmethod
     def from_pipeline(cls, pipeline: PipelineConfig, target: TargetModel | None = None) -> Engine:
         """Build the target (unless given) and every component a validated pipeline names."""
-        target = target or TargetModel.from_config(pipeline.target)
         parts = {kind: (spec.create() if spec is not None else None) for kind, spec in pipeline.components.items()}
         drafter = parts[ComponentKind.DRAFTER]
+        target = target or load_target(pipeline.target, needs=drafter_needs(drafter))
         if drafter is not None:
             check_calibrator(parts[ComponentKind.CALIBRATOR], pipeline, drafter)
         return cls(

@@ -145,7 +145,7 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
     arm's ``pipeline``, ``results`` and ``summary``."""
     from tqdm.auto import tqdm
 
-    from specforge.target import TargetModel
+    from specforge.engine import load_pipeline_target
 
     compare = dict(compare or {})
     for name, p in {"": pipeline, **compare}.items():
@@ -156,7 +156,7 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
             raise ConfigError([f"{where}target: {p.target.model} ({p.target.dtype}) differs from the evaluated "
                                f"pipeline's {pipeline.target.model} ({pipeline.target.dtype}); arms share one target"])
     prompt_sets = settings.prompt_sets()
-    target = target or TargetModel.from_config(pipeline.target)
+    target = target or load_pipeline_target(pipeline)
     limits = EngineConfig(max_batch=settings.concurrency, max_context=pipeline.engine.max_context)
     spec = Engine.from_pipeline(replace(pipeline, engine=limits), target)
     arms = {name: Engine.from_pipeline(replace(p, engine=limits), target) for name, p in compare.items()}

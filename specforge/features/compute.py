@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specforge.features.manifest import FeatureCacheError, check_layer_ids
-from specforge.target.batch import VarlenBatch
+from specforge.passes import VarlenBatch
 
 __all__ = [
     "OnlineFeatures",
@@ -96,9 +96,9 @@ def forward_flat(target: Any, ids: Sequence[Tensor], layer_ids: Sequence[int], d
                   max_batch_tokens: int) -> tuple[Tensor, Tensor]:
     """Taps ``[T, m, d]`` and hidden ``[T, d]`` of sequences back to back, each from position 0."""
     device = target.runtime.embed.device
-    # The torch runtime even where the engine decodes on llama.cpp: these passes need every row's
-    # taps and final hidden state, and long teacher-forced prefills are what it does fastest.
-    runner = getattr(target, "torch", None) or target
+    # The teacher's backend (the torch runtime) even where the engine decodes on llama.cpp: these
+    # passes need every row's taps and final hidden state.
+    runner = target.teacher()
     taps_out, hidden_out = [], []
     for group in _micro_batches([len(x) for x in ids], max_batch_tokens):
         runs = [ids[i] for i in group]

@@ -34,7 +34,7 @@ import torch
 
 from specforge.errors import SpecforgeError
 from specforge.resume import UnreadableRecord, read_record, refuse_other_settings, write_record
-from specforge.target.adapter import dtype_name
+from specforge.runtime.target import dtype_name
 
 __all__ = [
     "FORMAT_VERSION",

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from specforge.data.jsonl import JsonlReport, iter_jsonl
+from specforge.conversations.jsonl import JsonlReport, iter_jsonl
 from specforge.errors import SpecforgeError
 
 __all__ = ["answer_documents"]

@@ -48,7 +48,7 @@ class TargetShape(BaseModel):
 
     @staticmethod
     def target_fields(args: Any) -> dict[str, Any]:
-        """These fields read off a target's :class:`~specforge.target.args.ModelArgs`."""
+        """These fields read off a target's :class:`~specforge.model_args.ModelArgs`."""
         return dict(vocab_size=args.vocab_size, dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
                     head_dim=args.head_dim, intermediate_size=args.intermediate_size,
                     n_target_layers=args.n_layers, norm_eps=args.norm_eps, activation=args.activation)

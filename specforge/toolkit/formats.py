@@ -145,7 +145,7 @@ def rope_theta(config: dict[str, Any]) -> float | None:
 
 def recorded_target(name: Any, shape: Any, fields: dict[str, str], source: Path) -> tuple[dict[str, Any], Path, Any]:
     """The recorded target's ``config.json``, folder (a GGUF's cached conversion) and
-    :class:`~specforge.target.args.ModelArgs`, checked to be the one the drafter was trained for
+    :class:`~specforge.model_args.ModelArgs`, checked to be the one the drafter was trained for
     (``fields``: the drafter shape's field → the ModelArgs attribute it must equal): layouts that
     copy the target's config, or re-store its embedding, read them from here."""
     # Imported on the call, not with this module: the target package loads the runtime (and with it
@@ -153,8 +153,8 @@ def recorded_target(name: Any, shape: Any, fields: dict[str, str], source: Path)
     # importing the toolkit must never drag them in.
     from transformers import AutoConfig
 
-    from specforge.target.args import ModelArgs
-    from specforge.target.loading import converted_checkpoint
+    from specforge.model_args import ModelArgs
+    from specforge.model_files import converted_checkpoint
 
     if not name:
         raise InteropError(f"{source}: the checkpoint does not record its target, whose config the layout copies")
@@ -175,7 +175,7 @@ def recorded_gguf(name: Any, source: Path) -> Path | None:
     """The GGUF file of the recorded target ``name`` (an embedded model or a ``.gguf`` path), or None
     when the target is a Hugging Face folder: layouts whose engine runs the target from a GGUF
     (llama.cpp) copy its tokenizer from there."""
-    from specforge.target.loading import resolve_model
+    from specforge.model_files import resolve_model
 
     if not name:
         raise InteropError(f"{source}: the checkpoint does not record its target, whose GGUF the layout reads")

@@ -115,7 +115,7 @@ class DraftLayerBase(nn.Module):
         ``w13``, ``w2``) as this layer's starting weights: a draft layer of the target's shape can
         start from what the target already computes instead of from noise (the recipe study in
         docs/shipped-drafter.md measures whether that pays).  ``target_layer`` is a layer of the
-        runtime's :class:`~specforge.target.model.Transformer`, whose tensors are read, not shared.
+        runtime's :class:`~specforge.runtime.torch.model.Transformer`, whose tensors are read, not shared.
         q/k norms a target's layers lack (Llama, SmolLM2) stay where they are (a fresh layer's: one)."""
         pairs = [(self.wo.weight, target_layer.wo), (self.mlp_norm.weight, target_layer.mlp_norm),
                  (self.w13.weight, target_layer.w13), (self.w2.weight, target_layer.w2)]

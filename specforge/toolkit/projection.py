@@ -3,8 +3,8 @@
 The target's runtime projects through it, and so may a drafter's or a head's own layers: a small
 matmul beside the target's runs fastest the way the target's own were measured to (oneDNN's
 pre-packed layout for bf16/fp16 on CPU, ``F.linear`` elsewhere), and it goes through the same
-opaque op under ``torch.compile``.  The kernel choice (:class:`~specforge.target.linear_plan.
-LinearPlan`) and the compile op (:func:`~specforge.target.compiled.register_projection`) are leaf
+opaque op under ``torch.compile``.  The kernel choice (:class:`~specforge.toolkit.linear_plan.
+LinearPlan`) and the compile op (:func:`~specforge.toolkit.compiled.register_projection`) are leaf
 modules of the runtime's package; importing them loads no runtime.
 """
 
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specforge.target.compiled import register_projection
-from specforge.target.linear_plan import LinearPlan, measured_plan
+from specforge.toolkit.compiled import register_projection
+from specforge.toolkit.linear_plan import LinearPlan, measured_plan
 
 __all__ = ["PACK_ROWS", "Projection", "onednn_linear", "pack_for_onednn"]
 
@@ -58,8 +58,8 @@ class Projection:
     took 52 ms for one row through ``F.linear`` but 93 ms for two (the library re-blocks the
     weights for every call once there are several rows), while ``W @ xᵀ`` — the weights as the
     left operand, streamed once — took 53 ms for two rows and 58 for four (one thread).  So a
-    runtime's projections share a :class:`~specforge.target.linear_plan.LinearPlan` (rows → kernel,
-    measured per machine, see :mod:`specforge.target.linear_plan`):
+    runtime's projections share a :class:`~specforge.toolkit.linear_plan.LinearPlan` (rows → kernel,
+    measured per machine, see :mod:`specforge.toolkit.linear_plan`):
 
     * ``linear``: ``F.linear``;
     * ``wx``: ``(W @ xᵀ)ᵀ``, the weight streamed as the left operand;

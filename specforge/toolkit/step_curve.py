@@ -26,7 +26,6 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,8 +33,8 @@ import torch
 from specforge.files import write_atomic
 from specforge.hardware import HardwareProfile
 from specforge.machine import machine_key
-from specforge.target.batch import VarlenBatch, split_tokens
-from specforge.target.loading import cache_root
+from specforge.passes import VarlenBatch, split_tokens
+from specforge.caches import profile_file
 
 __all__ = ["AUTO_BATCHES", "DEFAULT_BATCHES", "machine_profile", "measure_sps", "non_increasing", "profile_key"]
 
@@ -149,7 +148,7 @@ def machine_profile(target: Any, log: Any = None) -> HardwareProfile:
     """This machine's step curve for ``target``: measured once (≈ a minute) and cached under
     ``$SPECFORGE_CACHE_DIR/profiles``, keyed by target, dtype, KV-cache dtype, weights, CPU, threads and torch —
     what ``profile: auto`` of the hardware-aware schedulers reads."""
-    path = cache_root() / "profiles" / f"{Path(target.name).name}-{profile_key(target)}.json"
+    path = profile_file(target.name, profile_key(target))
     if path.is_file():
         return HardwareProfile.load(path)
     (log or (lambda msg: print(msg, file=sys.stderr, flush=True)))(

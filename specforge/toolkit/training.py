@@ -169,7 +169,7 @@ class DraftTraining(Protocol):
     """One training run of a method, built as ``training(config, target, device)``.
 
     ``config`` is the method's validated ``config`` model; ``target`` the loaded
-    :class:`~specforge.target.TargetModel` (its ``args``, ``runtime.embed``/``lm_head``, ``name``).
+    :class:`~specforge.runtime.TargetModel` (its ``args``, ``runtime.embed``/``lm_head``, ``name``).
     """
 
     #: the method's name, written into every checkpoint it saves

@@ -145,7 +145,8 @@ def anchors_for(features: Sequence[SequenceFeatures], max_anchors: int, seed: in
 
 def load_conversations(config: Any, progress: bool = True) -> list[Any]:
     """The conversations ``config.data`` names (the ShareGPT wheel or a JSONL file)."""
-    from specforge.data import load_jsonl, load_sharegpt
+    from specforge.conversations.jsonl import load_jsonl
+    from specforge.data import load_sharegpt
 
     data = config.data
     if data.source == "sharegpt":
@@ -188,7 +189,7 @@ def load_sequences(config: Any, target: Any, out_dir: Path, log: Callable[[str],
     """Conversations of ``config.data`` (with the target's own answers when
     ``data.regenerate.enabled``: :func:`regenerate_answers` must have run) tokenised with the chat
     template, keeping those with at least one anchor (an assistant token followed by another)."""
-    from specforge.data import tokenize_conversation
+    from specforge.conversations.chat import tokenize_conversation
     from specforge.data.regeneration import iter_regenerated
 
     data = config.data

@@ -73,7 +73,7 @@ def _autocast_bf16(dtype: str, device: torch.device, target: Any) -> bool:
         return dtype == "bfloat16"
     if device.type == "cuda":
         return True
-    from specforge.target.precision import DTYPE, PREFILL_ROWS
+    from specforge.runtime.torch.precision import DTYPE, PREFILL_ROWS
 
     plan = getattr(target, "precision", None)
     return bool(plan is not None and plan.measured and DTYPE[plan.precision_for(PREFILL_ROWS)] == torch.bfloat16)
@@ -90,8 +90,9 @@ class Trainer:
         self.ckpt_dir = self.out_dir / "checkpoints"
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         if target is None:
-            from specforge.target import TargetModel
-            target = TargetModel.from_config(c.target)
+            from specforge.runtime import load_target
+
+            target = load_target(c.target)
         self.target = target
         self._build_method()
         self.source = source if source is not None else build_source(c, target, list(self.needs.layers),

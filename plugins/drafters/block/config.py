@@ -1,7 +1,7 @@
 """Configuration of the block-drafter backbone shared by DSpark and DFlash (docs/design/drafters.md).
 
 The draft layers copy the *shape* of a target layer (heads, KV heads, head dim, MLP width), so the
-config is read off the target's :class:`~specforge.target.args.ModelArgs`; what is the drafter's
+config is read off the target's :class:`~specforge.model_args.ModelArgs`; what is the drafter's
 own choice is the number of draft layers, the tapped target layers, γ and the block layout.
 """
 

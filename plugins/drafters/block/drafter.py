@@ -109,6 +109,11 @@ class BlockDrafter:
 
     # -- set-up ----------------------------------------------------------------------------------
 
+    def taps_for(self, args: Any) -> tuple[int, ...]:
+        """The layers :meth:`bind` taps: the checkpoint's, else those its random config picks."""
+        config = self._loaded[0].config if self._loaded is not None else self._random_config(args)
+        return tuple(config.tap_layers)
+
     def bind(self, target: Any) -> None:
         """Share the target's embedding and LM head and fix the tapped layers within its depth."""
         args, runtime = target.args, target.runtime

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from specforge.components import ComponentWeights, DraftBlock, DraftContext, TargetFeatures
 from specforge.errors import ConfigError
-from specforge.protocols import Binds, Learns, SharesHead, check_optional
+from specforge.protocols import Binds, Learns, SharesHead, Taps, check_optional
 from specforge.toolkit.companions import attach_companions, companions_of
 from specforge_plugins.drafters.compose.config import MAX_TREE_NODES, ComposeConfig
 
@@ -111,6 +111,12 @@ class ComposeDrafter:
         self._shared = False
 
     # -- set-up ----------------------------------------------------------------------------------
+
+    def taps_for(self, args: Any) -> tuple[int, ...]:
+        """The union of the members' taps (a member that does not declare them adds none here;
+        the engine then checks what it taps after binding)."""
+        return tuple(sorted({int(i) for m in self.members if isinstance(m.drafter, Taps)
+                             for i in m.drafter.taps_for(args)}))
 
     def bind(self, target: Any) -> None:
         """Bind every member and its estimator, give each estimator what the member's checkpoint

@@ -78,6 +78,12 @@ class Eagle3Drafter:
         self._cache: ContextCache | None = None
         self._last = LastRows()  # g of the row just before each request's anchor
 
+    def taps_for(self, args: Any) -> tuple[int, ...]:
+        """The layers :meth:`bind` taps: the checkpoint's, else EAGLE-3's three for this depth."""
+        if self._loaded is not None:
+            return tuple(self._loaded.shape.layers)
+        return tuple(Eagle3Shape.from_model_args(args, layers=self.config.target_layers).layers)
+
     def bind(self, target: Any) -> None:
         args, runtime = target.args, target.runtime
         c = self.config

@@ -92,6 +92,11 @@ class MedusaDrafter:
         self._last = LastRows()  # the last layer's output just before each request's anchor
         self.head_seconds = 0.0
 
+    def taps_for(self, args: Any) -> tuple[int, ...]:
+        """The last layer's output, what every head reads."""
+        layers = self._loaded.shape.n_target_layers if self._loaded is not None else args.n_layers
+        return (layers - 1,)
+
     def bind(self, target: Any) -> None:
         args, runtime = target.args, target.runtime
         if self._loaded is not None:

@@ -1,0 +1,158 @@
+"""llama.cpp decoding a GGUF its own way: the peers ``bench engine --systems llamacpp`` measures.
+
+* ``llamacpp`` — through the binding specforge builds (llama-cpp-python's ``Llama``), one request
+  at a time: plain greedy decoding and the binding's prompt-lookup speculation
+  (``LlamaPromptLookupDecoding``: draft what followed the last n-gram's earlier occurrence).
+* ``llamacpp-server`` — ``llama-server`` (``make llama.cpp``) with one slot per concurrent request
+  and continuous batching, driven over HTTP on the loopback: llama.cpp's own parallel decoding,
+  and at one request its n-gram speculative modes (``--spec-type ngram-*``).
+
+Records share :mod:`specforge.bench.hf_baseline`'s format; what cannot run is a ``skipped`` record
+saying why.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specforge.peers.records import rounds_for, summarize
+
+__all__ = ["LLAMACPP_VARIANTS", "SERVER_VARIANTS", "bench_llamacpp", "bench_llamacpp_server"]
+
+# variant -> the binding's draft model (None: plain decoding)
+LLAMACPP_VARIANTS = {"plain": None, "lookup": {"max_ngram_size": 3, "num_pred_tokens": 5}}
+# variant -> llama-server's speculative flags (the n-gram modes need no draft model); all but
+# plain run at one request, where speculation is meant to pay
+SERVER_VARIANTS: dict[str, tuple[str, ...]] = {
+    "plain": (),
+    "ngram-simple": ("--spec-type", "ngram-simple"),
+    "ngram-map-k": ("--spec-type", "ngram-map-k"),
+    "ngram-mod": ("--spec-type", "ngram-mod"),
+    "ngram-cache": ("--spec-type", "ngram-cache"),
+}
+
+
+def _skipped(variant: str, concurrency: int, reason: str, system: str = "llamacpp") -> dict[str, Any]:
+    return {"system": system, "variant": variant, "dtype": "llama.cpp", "concurrency": concurrency,
+            "status": "skipped", "reason": reason, "tok_s": None}
+
+
+def bench_llamacpp(gguf: Path, prompt_ids: Sequence[Sequence[int]], concurrencies: Sequence[int],
+                   max_new_tokens: int = 128, min_rounds: int = 2, progress: bool = True,
+                   threads: int | None = None) -> list[dict[str, Any]]:
+    """Greedy decoding of every prompt for exactly ``max_new_tokens`` tokens by llama.cpp, each
+    variant of :data:`LLAMACPP_VARIANTS` at concurrency 1 (higher ones: skipped, with why)."""
+    from tqdm.auto import tqdm
+
+    from specforge.runtime.llamacpp.libllama import BindingError, load
+
+    try:
+        load()
+    except BindingError as exc:
+        return [_skipped(v, c, str(exc)) for c in concurrencies for v in LLAMACPP_VARIANTS]
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    records = []
+    context = max(len(p) for p in prompt_ids) + max_new_tokens + 16
+    for c in concurrencies:
+        for variant, draft in LLAMACPP_VARIANTS.items():
+            if c != 1:
+                records.append(_skipped(variant, c, "the binding's Llama decodes one sequence; llama.cpp's parallel "
+                                                    "decoding is llama-server's (make llama.cpp)"))
+                continue
+            # flash attention on: what llama.cpp's default (auto) resolves to on a CPU, and what the
+            # engine's llama.cpp backend runs (the binding's own default is off)
+            llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_batch=512, n_ubatch=512, flash_attn=True,
+                                  n_threads=threads or torch.get_num_threads(), verbose=False,
+                                  draft_model=None if draft is None else LlamaPromptLookupDecoding(**draft))
+
+            def decode(ids: Sequence[int], n: int) -> int:
+                count = 0
+                for _ in llm.generate(list(ids), temp=0.0, reset=True):
+                    count += 1
+                    if count == n:
+                        break
+                return count
+
+            decode(prompt_ids[0], 8)  # warm-up, untimed
+            times, counts, ptoks = [], [], 0
+            for indices in tqdm(rounds_for(len(prompt_ids), 1, min_rounds), desc=f"llamacpp {variant} c=1",
+                                unit="round", disable=not progress, file=sys.stderr):
+                t0 = time.perf_counter()
+                counts.append([decode(prompt_ids[i], max_new_tokens) for i in indices])
+                times.append(time.perf_counter() - t0)
+                ptoks += sum(len(prompt_ids[i]) for i in indices)
+            record = {"system": "llamacpp", "variant": variant, "dtype": "llama.cpp", "concurrency": c,
+                      "status": "ok", "reason": None}
+            record.update(summarize(times, counts, ptoks))
+            records.append(record)
+            del llm
+    return records
+
+
+def bench_llamacpp_server(gguf: Path, prompt_ids: Sequence[Sequence[int]], concurrencies: Sequence[int],
+                          max_new_tokens: int = 128, min_rounds: int = 2, progress: bool = True,
+                          threads: int | None = None, log_dir: Path | None = None,
+                          variants: Mapping[str, tuple[str, ...]] = SERVER_VARIANTS,
+                          system: str = "llamacpp-server") -> list[dict[str, Any]]:
+    """llama-server with ``c`` slots, ``c`` requests in flight (each round submitted together, as
+    the engine's rounds are), greedy, exactly ``max_new_tokens`` tokens each; each of ``variants``
+    (name -> llama-server flags) but ``plain`` at one request only.  A speculative variant's record
+    has the draft tokens llama.cpp drafted and accepted in ``extra``."""
+    from tqdm.auto import tqdm
+
+    from specforge.peers.llama_server import LlamaServer, ServerError
+    from specforge.peers.llamacpp_tools import missing_reason
+
+    reason = missing_reason("llama-server")
+    if reason:
+        return [_skipped(v, c, reason, system) for c in concurrencies for v in variants if v == "plain" or c == 1]
+    context = max(len(p) for p in prompt_ids) + max_new_tokens + 16
+    records = []
+    for c in concurrencies:
+        for variant, flags in variants.items():
+            if variant != "plain" and c != 1:
+                continue
+            log = None if log_dir is None else Path(log_dir) / f"llama-server-{variant}-c{c}.log"
+            try:
+                with LlamaServer(gguf, slots=c, context=context, threads=threads or torch.get_num_threads(),
+                                 extra=("-fa", "auto", "-kvu", *flags), log=log) as server:
+                    drafts = [0, 0]  # drafted, accepted
+
+                    def one(i: int, n: int) -> int:
+                        reply = server.complete(prompt_ids[i], n)
+                        timings = reply.get("timings", {})
+                        drafts[0] += int(timings.get("draft_n", 0))
+                        drafts[1] += int(timings.get("draft_n_accepted", 0))
+                        return int(reply["tokens_predicted"])
+
+                    with ThreadPoolExecutor(c) as pool:
+                        list(pool.map(lambda i: one(i, 8), range(min(c, len(prompt_ids)))))  # warm-up
+                        drafts[:] = [0, 0]  # counted over the timed rounds only
+                        times, counts, ptoks = [], [], 0
+                        for indices in tqdm(rounds_for(len(prompt_ids), c, min_rounds),
+                                            desc=f"llama-server {variant} c={c}", unit="round", disable=not progress,
+                                            file=sys.stderr):
+                            t0 = time.perf_counter()
+                            counts.append(list(pool.map(lambda i: one(i, max_new_tokens), indices)))
+                            times.append(time.perf_counter() - t0)
+                            ptoks += sum(len(prompt_ids[i]) for i in indices)
+            except ServerError as exc:
+                records.append(_skipped(variant, c, str(exc), system))
+                continue
+            record = {"system": system, "variant": variant, "dtype": "llama.cpp", "concurrency": c,
+                      "status": "ok", "reason": None}
+            record.update(summarize(times, counts, ptoks))
+            if drafts[0]:
+                record["extra"] = {"drafted": drafts[0], "accepted": drafts[1],
+                                   "acceptance_rate": round(drafts[1] / drafts[0], 4)}
+            records.append(record)
+    return records

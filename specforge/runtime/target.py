@@ -1,0 +1,179 @@
+"""The target adapter: one object the engine, drafters and trainers talk to."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specforge.errors import ConfigError
+from specforge.model_args import ModelArgs
+from specforge.passes import VarlenBatch
+from specforge.runtime.contract import ForwardOutput, Needs, SlotTable, TargetBackend
+from specforge.runtime.torch.backend import TorchBackend
+from specforge.runtime.torch.model import Transformer
+from specforge.runtime.torch.precision import DTYPE, PrecisionPlan
+from specforge.runtime.torch.quantized import NativeWeightsError, use_native_weights
+from specforge.toolkit.linear_plan import record_measured
+
+__all__ = ["DTYPES", "TargetModel", "build_runtime", "dtype_name"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``: the name configs, manifests and profiles use."""
+    return str(dtype).removeprefix("torch.")
+
+
+def build_runtime(args: ModelArgs, hf_model: Any, precision: str, gguf: Path | None = None) -> Transformer:
+    """The runtime transformer of ``hf_model`` in ``precision`` (``q4``: bf16 with the GGUF
+    ``gguf``'s 4-bit blocks as its projections; :class:`NativeWeightsError` where none can be)."""
+    with torch.no_grad():
+        runtime = Transformer(args, hf_model, DTYPE[precision]).eval()
+        if precision == "q4":
+            if gguf is None:
+                raise NativeWeightsError("q4 runs a GGUF's own 4-bit blocks; this target is not a GGUF")
+            runtime.native_counts = use_native_weights(runtime, hf_model, gguf)
+            if runtime.native_counts["native"] == 0:
+                raise NativeWeightsError(f"{gguf.name}: no projection is stored as Q4_0/Q4_1 with a row count the "
+                                         "int4 kernel packs (a multiple of 16)")
+    return runtime
+
+
+class TargetModel:
+    """A Hugging Face causal LM behind the specforge runtime.
+
+    ``runtime`` is the fast flattened-batch transformer in the primary precision; ``runtimes``
+    holds one per precision the plan uses (:mod:`.precision`: ``target.dtype: auto`` may run
+    one-row passes in bf16 and bigger ones in float32), and :meth:`forward` sends each pass to its
+    band's.  ``hf_model`` (kept in float32) is the unchanged Hugging Face model, the oracle tests
+    compare against.
+    """
+
+    def __init__(self, hf_model: Any, tokenizer: Any = None, dtype: torch.dtype = torch.float32,
+                 name: str = "model", precision: PrecisionPlan | None = None,
+                 runtimes: Mapping[str, Transformer] | None = None, gguf: Path | None = None,
+                 backend: TargetBackend | None = None, torch_backend: TorchBackend | None = None,
+                 compile_choice: Any = None) -> None:
+        """A target over ``hf_model``'s weights; :func:`~specforge.runtime.load.load_target` is how
+        jobs get one (it decides ``backend``).  Built here directly — tests, tiny models — its
+        passes run on the torch runtime unless ``backend`` is given."""
+        self.name = name
+        self.compile_choice = compile_choice  # target.compile: auto's verdict (compile_choice.CompileChoice)
+        self.args = ModelArgs.from_hf_config(hf_model.config)
+        self.hf_model = hf_model
+        self.tokenizer = tokenizer
+        self.precision = precision or PrecisionPlan.fixed(dtype_name(dtype))
+        # projections running natively on 4-bit blocks vs dense (see load_target(weights="native"))
+        self.weights = {"native": 0, "dense": 4 * self.args.n_layers + 1}  # + the LM head
+        built = dict(runtimes or {})
+        self.runtimes: dict[str, Transformer] = {}
+        for p in self.precision.precisions:
+            self.runtimes[p] = built.get(p) or build_runtime(self.args, hf_model, p, gguf)
+            kernels = self.precision.linear_plan(p)
+            if kernels is not None:
+                self.runtimes[p].set_linear_plan(kernels)
+                record_measured(self.runtimes[p].dtype, kernels)
+            if p == "q4":
+                self.weights = self.runtimes[p].native_counts
+        self.runtime = self.runtimes[self.precision.primary]
+        self.dtype = self.runtime.dtype
+        self.eos_ids = self._eos_ids(hf_model, tokenizer)
+        # The torch runtime stays whatever computes the passes: the drafters share its embedding and
+        # LM head, and teacher-forced feature extraction and training run on it (:meth:`teacher`).
+        self.torch = torch_backend or TorchBackend(self.runtimes, self.precision)
+        self.backend: TargetBackend = backend or self.torch  # decided once (load_target); never swapped
+
+    def compile(self, enabled: bool = True) -> bool:
+        """Run the torch runtime's passes through its compiled trunks (:meth:`TorchBackend.compile`)."""
+        return self.torch.compile(enabled)
+
+    @property
+    def trunks(self) -> dict[str, Any]:
+        return self.torch.trunks
+
+    def use_trunks(self, trunks: Mapping[str, Any] | None) -> None:
+        self.torch.use_trunks(trunks)
+
+    @property
+    def precision_label(self) -> str:
+        """The precision every pass runs in (``bfloat16``), or the plan's bands
+        (``bfloat16@1,float32@2+``), or ``llama.cpp`` (the GGUF's own types, in libllama): what
+        profiles, manifests and benchmark records name."""
+        return self.backend.name if self.backend.name != "torch" else self.precision.label
+
+    @staticmethod
+    def _eos_ids(hf_model: Any, tokenizer: Any) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (getattr(hf_model, "generation_config", None), hf_model.config, tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return frozenset(ids)
+
+    # -- text ------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.runtime.lm_head.shape[0])
+
+    @property
+    def max_positions(self) -> int:
+        return self.args.max_positions
+
+    def encode(self, prompt: str | Sequence[dict[str, str]], chat: bool = True) -> list[int]:
+        """Token ids of a prompt: a user message (or a message list) through the chat template
+        when the tokenizer has one, the plain text otherwise."""
+        if self.tokenizer is None:
+            raise ValueError(f"target {self.name!r} has no tokenizer; pass token ids instead")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+            return [int(i) for i in ids]
+        if not isinstance(prompt, str):
+            raise ValueError("a message list needs a tokenizer with a chat template")
+        return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    def require(self, needs: Needs) -> None:
+        """A :class:`~specforge.errors.ConfigError` when the passes' backend lacks ``needs`` — what
+        a caller that did not say them at load (``load_target(needs=…)``) learns before its first pass."""
+        why = self.backend.lacks(needs)
+        if why:
+            raise ConfigError([f"target.backend: {self.backend.name} was decided when the target loaded, and {why}; "
+                               "load it with what the pipeline needs (specforge.engine.load_pipeline_target) or use "
+                               "target.backend=torch"])
+
+    def teacher(self) -> TorchBackend:
+        """The backend of teacher-forced passes (feature extraction, training, the oracle tests): the
+        torch runtime, the one that returns every row's final hidden state and any layer's output."""
+        return self.torch
+
+    def new_cache(self, slots: int, capacity: int) -> SlotTable:
+        """A cache of ``slots`` requests × ``capacity`` positions for this target's backend."""
+        return self.backend.new_cache(slots, capacity)
+
+    @torch.inference_mode()
+    def forward(self, batch: VarlenBatch, cache: SlotTable, logits_rows: Tensor | None = None,
+                taps: tuple[int, ...] = ()) -> ForwardOutput:
+        """One pass over ``batch`` (:class:`~specforge.runtime.torch.backend.TargetBackend`)."""
+        return self.backend.forward(batch, cache, logits_rows, taps)
+
+    @torch.inference_mode()
+    def reference_logits(self, ids: Sequence[int]) -> Tensor:
+        """``[T, V]`` float32 logits of the Hugging Face forward over ``ids`` (the oracle)."""
+        out = self.hf_model(torch.tensor([list(ids)]), use_cache=False)
+        return out.logits[0].float()
