@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from specforge.bench import hf_baseline, vllm_client
+from specforge.bench import hf_baseline
+from specforge.peers import vllm as vllm_client
 from specforge.peers.records import rounds_for, summarize
 import specforge
 from specforge.evalsets import (

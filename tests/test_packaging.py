@@ -78,3 +78,28 @@ def test_the_repository_root_shadows_no_installed_package():
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, check=True, capture_output=True, text=True)
     origin = out.stdout.strip().splitlines()[-1]
     assert str(REPO / "kernels") not in origin, origin
+
+
+def test_the_package_list_names_every_package_folder():
+    """pyproject.toml lists the packages by hand, since plugins/, conformance/ and kernels/ import
+    under other names (specforge_plugins, …); a package folder missing from the list would be left
+    out of the wheel, silently."""
+    import tomllib
+
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for name, folder in setup["package-dir"].items():
+        root = REPO / folder
+        found.add(name)
+        for init in root.rglob("__init__.py"):
+            parts = init.parent.relative_to(root).parts
+            if parts and "__pycache__" not in parts:
+                found.add(".".join([name, *parts]))
+    listed = set(setup["packages"])
+    assert not found - listed, f"package folders missing from pyproject.toml: {sorted(found - listed)}"
+
+    def folder(package: str) -> Path:
+        root, *rest = package.split(".")
+        return REPO / setup["package-dir"][root] / Path(*rest)
+
+    assert all(folder(p).is_dir() for p in listed), [p for p in listed if not folder(p).is_dir()]

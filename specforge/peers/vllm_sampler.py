@@ -33,7 +33,7 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "specforge" / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # vllm_runner.py, its sibling
 from vllm_runner import _ENV_DEFAULTS, _spec_counters  # noqa: E402 - after the path it lives on
 
 for _k, _v in _ENV_DEFAULTS.items():

@@ -86,7 +86,8 @@ def load_target(spec: TargetConfig | str = "smollm2", *, needs: Needs | Callable
     teacher-forced feature extraction and training run on it."""
     s = _settings(spec, fields)
     _refuse(s)
-    model, dtype, compile, weights, kv_dtype, backend = (s[k] for k in ("model", *FIELDS))
+    model, dtype, compile, weights, kv_dtype, backend = (s[k] for k in ("model", "dtype", "compile", "weights",
+                                                                        "kv_dtype", "backend"))
     directory, gguf_file = resolve_model(model)
     gguf = directory / gguf_file if gguf_file else None
     if backend == "llama.cpp":

@@ -1,0 +1,91 @@
+"""``target.backend`` decided once, with what the caller needs (specforge/runtime/choice.py), and a
+target that keeps it: the decision's branches on stand-in backends, then on a real tiny target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforge.errors import ConfigError
+from specforge.runtime import Needs, TargetModel
+from specforge.runtime import choice as choice_mod
+from specforge.runtime.choice import BackendChoice, choose_backend
+
+
+class Stand:
+    """A backend that lacks the taps at or above ``top``."""
+
+    def __init__(self, name: str, top: int | None = None) -> None:
+        self.name, self.top, self.opened = name, top, 0
+
+    def lacks(self, needs: Needs) -> str | None:
+        bad = [i for i in needs.taps if self.top is not None and i >= self.top]
+        return f"cannot tap layer {bad[0]}" if bad else None
+
+
+def _choose(request: str, needs: Needs, monkeypatch, *, can_run: str | None = None, faster: str = "llama.cpp"):
+    torch_b, llama_b, said = Stand("torch"), Stand("llama.cpp", top=29), []
+
+    def open_llamacpp():
+        llama_b.opened += 1
+        return llama_b
+
+    monkeypatch.setattr(choice_mod, "where_llamacpp_cannot_run", lambda gguf: can_run)
+    monkeypatch.setattr(choice_mod, "resolve_backend",
+                        lambda name, backends, vocab, key, say: say(f"measured → {faster}") or BackendChoice(faster))
+    got = choose_backend(request, torch_b, open_llamacpp, Path("t.gguf"), needs, name="t", vocab=8,
+                         key=lambda: "k", log=said.append)
+    return got.name, said, llama_b.opened
+
+
+def test_auto_takes_llama_cpp_where_it_serves_the_needs_and_measured_faster(monkeypatch):
+    assert _choose("auto", Needs((3, 28)), monkeypatch) == ("llama.cpp", ["measured → llama.cpp"], 1)
+    assert _choose("auto", Needs((3,)), monkeypatch, faster="torch")[:2] == ("torch", ["measured → torch"])
+
+
+def test_auto_takes_torch_where_llama_cpp_lacks_a_need_and_says_why_once(monkeypatch):
+    name, said, _ = _choose("auto", Needs((3, 29)), monkeypatch)
+    assert name == "torch" and said == ["target.backend: auto → torch (cannot tap layer 29)"]
+    name, said, opened = _choose("auto", Needs(), monkeypatch, can_run="the target is a safetensors directory")
+    assert (name, opened) == ("torch", 0) and said == ["target.backend: auto → torch (the target is a safetensors "
+                                                       "directory)"]
+
+
+def test_a_named_backend_is_the_users_word(monkeypatch):
+    assert _choose("torch", Needs((29,)), monkeypatch) == ("torch", [], 0)
+    assert _choose("llama.cpp", Needs((3,)), monkeypatch)[:2] == ("llama.cpp", [])
+    with pytest.raises(ConfigError, match="cannot tap layer 29; use target.backend=torch"):
+        _choose("llama.cpp", Needs((3, 29)), monkeypatch)
+    with pytest.raises(ValueError, match="backend must be one of auto, torch, llama.cpp; got 'cuda'"):
+        _choose("cuda", Needs(), monkeypatch)
+
+
+def test_needs_combine_and_a_target_keeps_its_backend():
+    from tiny_models import tiny_model
+
+    assert (Needs((1, 3)) | Needs((3, 5), final_hidden=True)) == Needs((1, 3, 5), True)
+    lacking = Stand("llama.cpp", top=1)
+    target = TargetModel(tiny_model("llama", vocab=32), None, torch.float32, name="tiny", backend=lacking)
+    assert target.backend is lacking and target.teacher().name == "torch"
+    with pytest.raises(ConfigError, match="target.backend: llama.cpp was decided when the target loaded, and "
+                                          "cannot tap layer 1"):
+        target.require(Needs((0, 1)))
+    target.require(Needs((0,)))
+    assert target.backend is lacking  # never swapped
+
+
+def test_drafters_say_what_they_tap_before_they_bind():
+    """The shipped drafters' ``taps_for`` equals what ``bind`` sets, so the loader decides right."""
+    from specforge.engine.bind import drafter_needs
+    from specforge.plugins import get_host
+    from tiny_models import tiny_model
+
+    target = TargetModel(tiny_model("llama", vocab=64, layers=6), None, torch.float32, name="tiny")
+    host = get_host()
+    for name in ("dspark", "dflash", "eagle3", "medusa"):
+        drafter = host.create_drafter(name)
+        declared = drafter_needs(drafter)(target.args)
+        drafter.bind(target)
+        assert declared.taps == tuple(drafter.feature_layers), name
