@@ -72,3 +72,43 @@ def test_table_and_plot(tmp_path):
     path = plot(recs, tmp_path / "engine.png")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_a_failing_system_is_recorded_as_failed_and_the_others_are_kept(monkeypatch, tmp_path):
+    """A peer that raises in the middle of the run (simulated: llama.cpp's binding arm) becomes one
+    ``failed`` record with its error; the systems after it still run, every record is written, and
+    the command's exit status says something failed."""
+    from specforge.bench import engine_bench
+    from specforge.bench.runner import save
+    from specforge.peers import llamacpp
+
+    def crash(*args, **kwargs):
+        raise ValueError("could not broadcast input array from shape (294912,) into shape (245760,)")
+
+    monkeypatch.setattr(llamacpp, "bench_llamacpp", crash)
+    monkeypatch.setattr(llamacpp, "bench_llamacpp_server", lambda *a, **k: [
+        {"system": "llamacpp-server", "variant": "plain", "dtype": "llama.cpp", "concurrency": 1, "status": "ok",
+         "reason": None, "tok_s": 10.0, "per_request_tok_s": 10.0}])
+    result = engine_bench.run_engine_benchmark(datasets=["gsm8k"], n_prompts=1, concurrency=[1], max_new_tokens=2,
+                                               dtype="float32", systems=["llamacpp"], progress=False)
+    failed = engine_bench.failed(result["records"])
+    assert [r["system"] for r in failed] == ["llamacpp"]
+    assert "ValueError: could not broadcast" in failed[0]["reason"]
+    assert any(r["system"] == "llamacpp-server" and r["status"] == "ok" for r in result["records"])
+    assert "FAILED: ValueError" in table(result["records"])
+    written = save(engine_bench.REPORT, result, tmp_path)
+    assert all(path.exists() for path in written)
+    assert engine_bench.passed(result) is False
+
+
+def test_prompt_lookup_never_drafts_past_the_context():
+    """The binding's lookup cut to the room its logits buffer has (what crashed ``bench engine``)."""
+    pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    from specforge.peers.llamacpp import _capped_lookup
+
+    ids = np.array([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], dtype=np.intc)
+    assert len(_capped_lookup({"max_ngram_size": 3, "num_pred_tokens": 5}, context=64)(ids)) == 5
+    assert len(_capped_lookup({"max_ngram_size": 3, "num_pred_tokens": 5}, context=12)(ids)) == 2
+    assert len(_capped_lookup({"max_ngram_size": 3, "num_pred_tokens": 5}, context=10)(ids)) == 0

@@ -332,12 +332,12 @@ def test_the_compiled_forward_calls_the_native_projections(native):
 
 
 def test_native_weights_in_float32_are_refused_before_loading(monkeypatch):
-    import specforge.runtime.target as adapter
+    import specforge.runtime.load as loader
 
     def no_load(*a, **k):
         raise AssertionError("loaded the model before refusing")
 
-    monkeypatch.setattr(adapter, "load_hf", no_load)
+    monkeypatch.setattr(loader, "load_hf", no_load)
     with pytest.raises(NativeWeightsError, match="dtype=bfloat16.*not float32"):
         load_target("smollm2", dtype="float32", weights="native", backend="torch")
 

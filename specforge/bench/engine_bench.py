@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -186,10 +186,12 @@ def table(records: list[dict[str, Any]]) -> str:
             return format(v, spec) if isinstance(v, (int, float)) else "—"
         extra = r.get("extra") or {}
         note = r.get("reason") or (f"tau={extra['tau']}" if extra.get("tau") else "")
+        if r.get("status") == "failed":
+            note = f"FAILED: {note}"
         if extra.get("acceptance_rate") is not None:
             note = f"accepted {extra['accepted']}/{extra['drafted']} drafted"
         lines.append(
-            f"{r['system']:<25} {r['variant']:<10} {str(r.get('dtype')):<9} {r['concurrency']:>3} "
+            f"{r['system']:<25} {r['variant']:<10} {str(r.get('dtype')):<9} {str(r['concurrency'] or '—'):>3} "
             f"{f(r.get('tok_s')):>8} {f(r.get('per_request_tok_s')):>8} {f(r.get('vs_hf'), '.2f'):>6} "
             f"{f(r.get('vs_engine_ar'), '.2f'):>6} {f(r.get('vs_llamacpp'), '.2f'):>8}  {note}"
         )
@@ -249,17 +251,21 @@ def run_engine_benchmark(
     picked = select_prompts(datasets, n_prompts, directory=eval_directory)
     prompt_ids = _templated(target, picked)
     records: list[dict[str, Any]] = []
+    def guarded(system: str, measure: Callable[[], list[dict[str, Any]]]) -> None:
+        records.extend(_guarded(system, measure, progress))
+
     if "hf" in systems:
         # HF at concurrency 1 is the baseline every ratio divides by; the engine's own weights
         # are a separate copy, so this measures transformers' generate unchanged.
-        records.extend(bench_hf(prompt_ids, dtypes=peer_dtypes, concurrencies=[1],
-                                max_new_tokens=max_new_tokens, progress=progress))
+        guarded("hf-generate", lambda: bench_hf(prompt_ids, dtypes=peer_dtypes, concurrencies=[1],
+                                                max_new_tokens=max_new_tokens, progress=progress))
     if "llamacpp" in systems:
         from specforge.peers.llamacpp import bench_llamacpp, bench_llamacpp_server
 
-        records.extend(bench_llamacpp(_gguf(target), prompt_ids, concurrency, max_new_tokens, progress=progress))
-        records.extend(bench_llamacpp_server(_gguf(target), prompt_ids, concurrency, max_new_tokens,
-                                             progress=progress))
+        guarded("llamacpp", lambda: bench_llamacpp(_gguf(target), prompt_ids, concurrency, max_new_tokens,
+                                                   progress=progress))
+        guarded("llamacpp-server", lambda: bench_llamacpp_server(_gguf(target), prompt_ids, concurrency,
+                                                                 max_new_tokens, progress=progress))
     fast, fast_curves = None, None
     if "specforge-llamacpp" in systems:
         fast, skipped = _llamacpp_target(target)
@@ -267,23 +273,27 @@ def run_engine_benchmark(
             records.append(skipped)
         else:
             fast_curves = _step_curves(fast, None, None, concurrency, progress)
-            records.extend(_bench_engine(fast, None, prompt_ids, concurrency, max_new_tokens, fast_curves, progress))
+            guarded("specforge-llamacpp", lambda: _bench_engine(fast, None, prompt_ids, concurrency, max_new_tokens,
+                                                                fast_curves, progress))
     curves = _StepCurves(profile, profile)
     if "specforge" in systems:
         curves = _step_curves(target, trunk, profile, concurrency, progress)
-        records.extend(_bench_engine(target, trunk, prompt_ids, concurrency, max_new_tokens, curves, progress))
+        guarded("specforge", lambda: _bench_engine(target, trunk, prompt_ids, concurrency, max_new_tokens, curves,
+                                                   progress))
     engines = [(t, c.eager) for t, c, on in ((target, curves, "specforge" in systems),
                                               (fast, fast_curves, fast_curves is not None)) if on]
     for system, method in LLAMACPP_DRAFTER_SYSTEMS.items():
         if system in systems:
-            records.extend(_bench_drafter(system, method, {**DEFAULT_DRAFTERS, **(drafters or {})}.get(method),
-                                          target, engines, prompt_ids, max_new_tokens, progress))
+            guarded(system, lambda s=system, m=method: _bench_drafter(
+                s, m, {**DEFAULT_DRAFTERS, **(drafters or {})}.get(m), target, engines, prompt_ids, max_new_tokens,
+                progress))
     if "vllm" in systems:
         from specforge.peers.vllm import bench_vllm
 
         for peer_dtype in peer_dtypes:
-            records.extend(bench_vllm(prompt_ids, concurrencies=list(concurrency),
-                                      max_new_tokens=max_new_tokens, dtype=peer_dtype, progress=progress))
+            guarded("vllm-cpu", lambda d=peer_dtype: bench_vllm(prompt_ids, concurrencies=list(concurrency),
+                                                                max_new_tokens=max_new_tokens, dtype=d,
+                                                                progress=progress))
     add_ratios(records)
     by_dataset = {name: _ngram_over_plain(target, select_prompts([name], n_prompts, directory=eval_directory),
                                           max_new_tokens, progress) for name in per_dataset}
@@ -308,6 +318,28 @@ def run_engine_benchmark(
         "hardware_profile_llamacpp": None if fast_curves is None else fast_curves.eager.to_dict(),
         "profile_timings_llamacpp": None if fast_curves is None else fast_curves.eager_timings,
     }
+
+
+def _guarded(system: str, measure: Callable[[], list[dict[str, Any]]], progress: bool) -> list[dict[str, Any]]:
+    """``measure()``'s records, or one ``failed`` record with the error when it raises: a peer or an
+    arm that breaks never costs the records the run already holds (the exit status says it failed)."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - any failure of one system is recorded, not fatal
+        if progress:
+            print(f"{system}: FAILED ({type(exc).__name__}: {exc}); the other systems go on", file=sys.stderr)
+        return [{"system": system, "variant": "—", "dtype": None, "concurrency": None, "status": "failed",
+                 "reason": f"{type(exc).__name__}: {exc}", "tok_s": None}]
+
+
+def failed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of systems that failed (``status: failed``)."""
+    return [r for r in records if r.get("status") == "failed"]
+
+
+def passed(result: dict[str, Any]) -> bool:
+    """No system failed (the exit status of ``bench engine``; skipped ones do not count)."""
+    return not failed(result["records"])
 
 
 def _gguf(target: TargetModel) -> Path:
@@ -556,4 +588,4 @@ def _drafters(given: Sequence[str]) -> dict[str, str | None]:
     return out
 
 
-COMMAND = bench_command("engine", _arguments, _measure, REPORT)
+COMMAND = bench_command("engine", _arguments, _measure, REPORT, passed=passed)

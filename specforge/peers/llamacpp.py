@@ -44,6 +44,21 @@ def _skipped(variant: str, concurrency: int, reason: str, system: str = "llamacp
             "status": "skipped", "reason": reason, "tok_s": None}
 
 
+def _capped_lookup(settings: Mapping[str, Any], context: int) -> Any:
+    """The binding's prompt lookup, its draft cut to the room left in the context.  The binding
+    caps a draft by the context llama.cpp allocated, which may be larger than the one asked for,
+    while its logits buffer has the rows asked for: near the end of a long prompt a full draft
+    overflowed it (``could not broadcast input array … into shape …`` in ``Llama.eval``)."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    class Capped(LlamaPromptLookupDecoding):
+        def __call__(self, input_ids: Any, /, **kwargs: Any) -> Any:
+            room = context - len(input_ids)  # rows left after the token being decoded with the draft
+            return super().__call__(input_ids, **kwargs)[:max(room, 0)]
+
+    return Capped(**settings)
+
+
 def bench_llamacpp(gguf: Path, prompt_ids: Sequence[Sequence[int]], concurrencies: Sequence[int],
                    max_new_tokens: int = 128, min_rounds: int = 2, progress: bool = True,
                    threads: int | None = None) -> list[dict[str, Any]]:
@@ -58,7 +73,6 @@ def bench_llamacpp(gguf: Path, prompt_ids: Sequence[Sequence[int]], concurrencie
     except BindingError as exc:
         return [_skipped(v, c, str(exc)) for c in concurrencies for v in LLAMACPP_VARIANTS]
     import llama_cpp
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     records = []
     context = max(len(p) for p in prompt_ids) + max_new_tokens + 16
@@ -72,7 +86,7 @@ def bench_llamacpp(gguf: Path, prompt_ids: Sequence[Sequence[int]], concurrencie
             # engine's llama.cpp backend runs (the binding's own default is off)
             llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_batch=512, n_ubatch=512, flash_attn=True,
                                   n_threads=threads or torch.get_num_threads(), verbose=False,
-                                  draft_model=None if draft is None else LlamaPromptLookupDecoding(**draft))
+                                  draft_model=None if draft is None else _capped_lookup(draft, context))
 
             def decode(ids: Sequence[int], n: int) -> int:
                 count = 0

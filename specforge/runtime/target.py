@@ -1,4 +1,6 @@
-"""The target adapter: one object the engine, drafters and trainers talk to."""
+"""The target: one object the engine, drafters and trainers talk to — the model's weights, tokenizer
+and shape, its torch runtime (what drafters share and teacher-forced passes run on), and the backend
+its passes run on, decided once by :func:`~specforge.runtime.load.load_target` and kept."""
 
 from __future__ import annotations
 
