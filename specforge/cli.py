@@ -102,7 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sources = args.config or ["default"]
     pipeline = load_pipeline(sources, args.overrides)
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompts)
-    engine = Engine.from_pipeline(pipeline)
+    engine = Engine.from_pipeline(pipeline, requests=min(len(prompts), pipeline.engine.max_batch))
     requests = [GenerationRequest(prompt=p, request_id=i) for i, p in enumerate(prompts)]
     single = len(requests) == 1 and not args.json
     for event in engine.stream(requests):

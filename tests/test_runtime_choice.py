@@ -25,6 +25,11 @@ class Stand:
         return f"cannot tap layer {bad[0]}" if bad else None
 
 
+def _seconds(faster: str) -> dict:
+    slow, fast = {p: 0.02 for p in choice_mod.PASSES}, {p: 0.01 for p in choice_mod.PASSES}
+    return {"llama.cpp": fast, "torch": slow} if faster == "llama.cpp" else {"llama.cpp": slow, "torch": fast}
+
+
 def _choose(request: str, needs: Needs, monkeypatch, *, can_run: str | None = None, faster: str = "llama.cpp"):
     torch_b, llama_b, said = Stand("torch"), Stand("llama.cpp", top=29), []
 
@@ -33,8 +38,8 @@ def _choose(request: str, needs: Needs, monkeypatch, *, can_run: str | None = No
         return llama_b
 
     monkeypatch.setattr(choice_mod, "where_llamacpp_cannot_run", lambda gguf: can_run)
-    monkeypatch.setattr(choice_mod, "resolve_backend",
-                        lambda name, backends, vocab, key, say: say(f"measured → {faster}") or BackendChoice(faster))
+    monkeypatch.setattr(choice_mod, "resolve_backend", lambda name, backends, vocab, key, say, requests: (
+        say(f"measured → {faster}") or BackendChoice(faster, _seconds(faster))))
     got = choose_backend(request, torch_b, open_llamacpp, Path("t.gguf"), needs, name="t", vocab=8,
                          key=lambda: "k", log=said.append)
     return got.name, said, llama_b.opened
@@ -89,3 +94,25 @@ def test_drafters_say_what_they_tap_before_they_bind():
         declared = drafter_needs(drafter)(target.args)
         drafter.bind(target)
         assert declared.taps == tuple(drafter.feature_layers), name
+
+
+def test_auto_decides_on_the_passes_of_the_load_it_serves(monkeypatch):
+    """A single user gets the backend faster on one request's passes, a batched server the one
+    faster on the batched decode step — from one measurement, said with its numbers."""
+    seconds = {"llama.cpp": {"decode-1": 0.009, "decode-8": 0.039, "verify-8": 0.026},
+               "torch": {"decode-1": 0.013, "decode-8": 0.029, "verify-8": 0.042}}
+    measured = BackendChoice("llama.cpp", seconds)
+    assert measured.for_load(1) == "llama.cpp" and measured.for_load(64) == "torch"
+    assert measured.for_load(None) == ("llama.cpp" if measured.speedup() >= 1 else "torch")
+    line = measured.describe(1)
+    assert line.startswith("target.backend: auto → llama.cpp for 1 request at a time") and "decode-1 9.0 vs 13.0 ms" in line
+    assert measured.describe(64).startswith("target.backend: auto → torch for 64 requests at a time")
+    said = []
+    monkeypatch.setattr(choice_mod, "where_llamacpp_cannot_run", lambda gguf: None)
+    for requests, want in ((1, "llama.cpp"), (64, "torch")):
+        monkeypatch.setattr(choice_mod, "resolve_backend", lambda name, backends, vocab, key, say, n: (
+            say(measured.describe(n)) or measured))
+        got = choose_backend("auto", Stand("torch"), lambda: Stand("llama.cpp"), Path("t.gguf"),
+                             Needs(requests=requests), name="t", vocab=8, key=lambda: "k", log=said.append)
+        assert got.name == want
+    assert len(said) == 2 and (Needs(requests=1) | Needs(requests=64)).requests == 64

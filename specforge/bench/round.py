@@ -131,7 +131,7 @@ def run_round_benchmark(sources: Sequence[str] = ("dspark",), overrides: Sequenc
         from specforge.errors import ConfigError
 
         raise ConfigError(["drafter.name: bench round measures a speculative pipeline; this one has no drafter"])
-    target = load_pipeline_target(base)
+    target = load_pipeline_target(base, requests=max(concurrency))
     prompts = select_prompts(list(datasets), max(concurrency), eval_dir)
     ids = [apply_chat_template(target.tokenizer, p.text) for p in prompts]
     started = time.perf_counter()

@@ -256,7 +256,7 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     target_section = load_pipeline(list(drafter)).to_dict()["target"]
     pipelines = arm_pipelines(arms, drafter, target_section)
     first = pipelines["plain"]
-    target = load_pipeline_target(*pipelines.values())
+    target = load_pipeline_target(*pipelines.values(), requests=max(concurrency))
     prompts = prompt_mix(target.tokenizer, datasets, per_set, sharegpt, eval_dir)
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     m = machine()

@@ -25,26 +25,28 @@ __all__ = ["bind_components", "check_calibrator", "drafter_identity", "drafter_n
            "load_pipeline_target"]
 
 
-def drafter_needs(drafter: Any) -> Callable[[ModelArgs], Needs]:
+def drafter_needs(drafter: Any, requests: int | None = None) -> Callable[[ModelArgs], Needs]:
     """What ``drafter`` will read from the target's passes, given the target's shape: the layers it
-    declares (:class:`~specforge.protocols.Taps`), so the target loads with a backend that taps them."""
+    declares (:class:`~specforge.protocols.Taps`), so the target loads with a backend that taps them;
+    ``requests``, the load the caller serves, picks the measured passes ``auto`` decides on."""
 
     def needs(args: ModelArgs) -> Needs:
-        return Needs(tuple(int(i) for i in drafter.taps_for(args))) if isinstance(drafter, Taps) else Needs()
+        taps = tuple(int(i) for i in drafter.taps_for(args)) if isinstance(drafter, Taps) else ()
+        return Needs(taps, requests=requests)
 
     return needs
 
 
-def load_pipeline_target(pipeline: PipelineConfig, *others: PipelineConfig,
+def load_pipeline_target(pipeline: PipelineConfig, *others: PipelineConfig, requests: int | None = None,
                          log: Callable[[str], None] | None = None) -> TargetModel:
     """The target ``pipeline.target`` names, its backend decided with what the drafters of
-    ``pipeline`` and ``others`` (pipelines that share it) will tap — for a job that loads the target
-    before it builds the engines."""
+    ``pipeline`` and ``others`` (pipelines that share it) will tap and the load the job serves
+    (``requests`` decoded together) — for a job that loads the target before it builds the engines."""
     drafters = [p.components.get(ComponentKind.DRAFTER) for p in (pipeline, *others)]
     wanted = [drafter_needs(spec.create()) for spec in drafters if spec is not None]
 
     def needs(args: ModelArgs) -> Needs:
-        return functools.reduce(operator.or_, (n(args) for n in wanted), Needs())
+        return functools.reduce(operator.or_, (n(args) for n in wanted), Needs(requests=requests))
 
     return load_target(pipeline.target, needs=needs, log=log)
 

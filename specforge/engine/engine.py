@@ -158,11 +158,14 @@ class Engine:
             scheduler.bind_draft_cost(functools.partial(machine_draft_cost, self))
 
     @classmethod
-    def from_pipeline(cls, pipeline: PipelineConfig, target: TargetModel | None = None) -> Engine:
-        """Build the target (unless given) and every component a validated pipeline names."""
+    def from_pipeline(cls, pipeline: PipelineConfig, target: TargetModel | None = None,
+                      requests: int | None = None) -> Engine:
+        """Build the target (unless given) and every component a validated pipeline names;
+        ``requests``, the load the caller serves (1: one prompt at a time), decides ``auto``'s
+        backend with the drafter's taps."""
         parts = {kind: (spec.create() if spec is not None else None) for kind, spec in pipeline.components.items()}
         drafter = parts[ComponentKind.DRAFTER]
-        target = target or load_target(pipeline.target, needs=drafter_needs(drafter))
+        target = target or load_target(pipeline.target, needs=drafter_needs(drafter, requests))
         if drafter is not None:
             check_calibrator(parts[ComponentKind.CALIBRATOR], pipeline, drafter)
         return cls(

@@ -156,7 +156,7 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
             raise ConfigError([f"{where}target: {p.target.model} ({p.target.dtype}) differs from the evaluated "
                                f"pipeline's {pipeline.target.model} ({pipeline.target.dtype}); arms share one target"])
     prompt_sets = settings.prompt_sets()
-    target = target or load_pipeline_target(pipeline)
+    target = target or load_pipeline_target(pipeline, *compare.values(), requests=settings.concurrency)
     limits = EngineConfig(max_batch=settings.concurrency, max_context=pipeline.engine.max_context)
     spec = Engine.from_pipeline(replace(pipeline, engine=limits), target)
     arms = {name: Engine.from_pipeline(replace(p, engine=limits), target) for name, p in compare.items()}

@@ -6,9 +6,10 @@ the last layer, every row's final hidden state) is a :class:`~specforge.errors.C
 ``auto`` takes torch where llama.cpp cannot run (not a GGUF, a CUDA device, no binding) or lacks a
 need, and otherwise times the passes a decoding engine runs most — one request's decode step, eight
 requests' decode step, one request's verify pass of eight tokens, each over a 256-token context — on
-both backends, interleaved, and keeps llama.cpp unless torch is faster on their geometric mean.  The
-verdict is cached per machine, target, torch precision plan and binding, beside the precision plan,
-and printed with its numbers.
+both backends, interleaved, and keeps the faster on the passes of the load the caller serves
+(``Needs.requests``: a single user's decode and verify passes, a batched server's decode step, all
+three where the load is not given; geometric mean).  The timings are cached per machine, target,
+torch precision plan and binding, beside the precision plan; the verdict is printed with them.
 docs: docs/backends.md#choosing-a-backend-on-this-machine
 """
 
@@ -36,21 +37,42 @@ PASSES = {"decode-1": (1, 1), "decode-8": (8, 1), "verify-8": (1, 8)}  # name ->
 _METHOD = {"passes": PASSES, "context": _CONTEXT, "version": 1}
 
 
+def passes_for(requests: int | None) -> tuple[str, ...]:
+    """The measured passes that decide for a load of ``requests`` decoded together: one request's
+    decode step and verify pass for a single user, the eight-request decode step for a batched
+    server, all three where the load is not known."""
+    if requests is None:
+        return tuple(PASSES)
+    return ("decode-1", "verify-8") if requests <= 1 else ("decode-8",)
+
+
+def _load(requests: int | None) -> str:
+    if requests is None:
+        return "load not given"
+    return "1 request at a time" if requests <= 1 else f"{requests} requests at a time"
+
+
 @dataclass(frozen=True)
 class BackendChoice:
-    backend: str
+    backend: str  # the verdict over every pass (a load not given)
     seconds: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # backend -> pass -> seconds
 
-    def speedup(self) -> float:
-        """llama.cpp's speed over torch's, geometric mean over the passes."""
-        ratios = [self.seconds["torch"][p] / self.seconds["llama.cpp"][p] for p in PASSES]
+    def speedup(self, passes: tuple[str, ...] = tuple(PASSES)) -> float:
+        """llama.cpp's speed over torch's, geometric mean over ``passes``."""
+        ratios = [self.seconds["torch"][p] / self.seconds["llama.cpp"][p] for p in passes]
         return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
-    def describe(self) -> str:
+    def for_load(self, requests: int | None) -> str:
+        """The faster backend on the passes a load of ``requests`` runs (:func:`passes_for`)."""
+        return "llama.cpp" if self.speedup(passes_for(requests)) >= 1 else "torch"
+
+    def describe(self, requests: int | None = None) -> str:
         passes = ", ".join(f"{p} {1e3 * self.seconds['llama.cpp'][p]:.1f} vs {1e3 * self.seconds['torch'][p]:.1f} ms"
                            for p in PASSES)
-        return (f"target.backend: auto → {self.backend} (measured on this machine: llama.cpp vs torch {passes}; "
-                f"llama.cpp {self.speedup():.2f}x torch's speed)")
+        chosen = passes_for(requests)
+        return (f"target.backend: auto → {self.for_load(requests)} for {_load(requests)} (measured on this machine: "
+                f"llama.cpp vs torch {passes}; on {', '.join(chosen)} llama.cpp runs at "
+                f"{self.speedup(chosen):.2f}x torch's speed)")
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": "specforge.backend", "version": 1, "backend": self.backend,
@@ -96,9 +118,9 @@ def measure_backends(backends: Mapping[str, Any], vocab: int, reps: int = 10) ->
 
 
 def resolve_backend(name: str, backends: Mapping[str, TargetBackend], vocab: int, key: str,
-                    say: Callable[[str], None]) -> BackendChoice:
-    """The cached verdict for this machine, else measured now on the two ``backends`` and cached
-    under ``key``."""
+                    say: Callable[[str], None], requests: int | None = None) -> BackendChoice:
+    """The cached timings for this machine, else measured now on the two ``backends`` and cached
+    under ``key``; the verdict for a load of ``requests`` is said once, with them."""
     from specforge.caches import profile_file
     from specforge.runtime.measured import cached_choice
 
@@ -109,7 +131,7 @@ def resolve_backend(name: str, backends: Mapping[str, TargetBackend], vocab: int
         return measure_backends(backends, vocab)
 
     choice, cached = cached_choice(path, measure, BackendChoice.from_dict, BackendChoice.to_dict)
-    say(choice.describe() + (f" [cached: {path}]" if cached else ""))
+    say(choice.describe(requests) + (f" [cached: {path}]" if cached else ""))
     return choice
 
 
@@ -152,8 +174,8 @@ def choose_backend(request: str, torch_backend: TargetBackend, open_llamacpp: Ca
     if why:
         say(f"target.backend: auto → torch ({why})")
         return torch_backend
-    choice = resolve_backend(name, {"torch": torch_backend, "llama.cpp": backend}, vocab, key(), say)
-    return backend if choice.backend == "llama.cpp" else torch_backend
+    choice = resolve_backend(name, {"torch": torch_backend, "llama.cpp": backend}, vocab, key(), say, needs.requests)
+    return backend if choice.for_load(needs.requests) == "llama.cpp" else torch_backend
 
 
 def method_key() -> dict[str, Any]:

@@ -39,9 +39,14 @@ class Needs:
 
     taps: tuple[int, ...] = ()  # target layers whose output the drafter reads
     final_hidden: bool = False  # every row's final (normed) hidden state (teacher-forced features, Medusa)
+    # The load: requests decoded together, as the caller expects to serve (1: a single user; None:
+    # not known).  Not a capability — it picks which measured passes decide ``auto``.
+    requests: int | None = None
 
     def __or__(self, other: Needs) -> Needs:
-        return Needs(tuple(sorted({*self.taps, *other.taps})), self.final_hidden or other.final_hidden)
+        loads = [n for n in (self.requests, other.requests) if n is not None]
+        return Needs(tuple(sorted({*self.taps, *other.taps})), self.final_hidden or other.final_hidden,
+                     max(loads) if loads else None)
 
 
 @runtime_checkable
