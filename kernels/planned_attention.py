@@ -207,21 +207,22 @@ def _plan_padded(cu: list[int], sl: list[int], sp: list[int], device: torch.devi
     # q and the output need no gather when the group is the whole pass in slot order, runs equal
     aligned = (len(reqs) == len(sl) and span == len(reqs) and all(row_of_slot[p] == p for p in range(span))
                and min(runs.values()) == n_max)
-    last = torch.zeros(span, dtype=torch.long)  # last visible key of padded query 0, per row
-    n_of_row = torch.ones(span, dtype=torch.long)
+    # Built as Python lists and made tensors once: a tensor write per request cost more than the
+    # attention itself on the conformance suite's tiny targets (py-spy, R = 256).
+    last_of, n_of, first_of = [0] * span, [1] * span, [cu[reqs[0]]] * span
     for p, r in row_of_slot.items():
-        last[p], n_of_row[p] = sp[r], runs[r]
+        last_of[p], n_of[p], first_of[p] = sp[r], runs[r], cu[r]
+    last = torch.tensor(last_of, dtype=torch.long)  # last visible key of padded query 0, per row
+    n_of_row = torch.tensor(n_of, dtype=torch.long)
     i = torch.arange(n_max)
     # query i of row p sees keys 0..last[p] + min(i, n_p - 1)
     limit = last[:, None] + torch.minimum(i[None, :], n_of_row[:, None] - 1)  # [P, n_max]
     mask = torch.arange(length)[None, None, :] <= limit[:, :, None]  # [P, n_max, L]
     q_index = out_index = None
     if not aligned:
-        first = torch.full((span,), cu[reqs[0]], dtype=torch.long)
-        for p, r in row_of_slot.items():
-            first[p] = cu[r]
+        first = torch.tensor(first_of, dtype=torch.long)
         q_index = (first[:, None] + torch.minimum(i[None, :], n_of_row[:, None] - 1)).reshape(-1)
-        out_index = torch.cat([torch.arange(runs[r]) + (sl[r] - base) * n_max for r in reqs])
+        out_index = torch.tensor([(sl[r] - base) * n_max + j for r in reqs for j in range(runs[r])], dtype=torch.long)
         q_index, out_index = q_index.to(device), out_index.to(device)
     merged = n_max > 1 and group > 1  # a single query per row gains nothing from merging (measured)
     if merged:

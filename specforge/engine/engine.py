@@ -303,7 +303,15 @@ class Engine:
         block, lengths = self._draft(states, sampling)
         clock = self._lap("draft", clock)
         g = int(lengths.max()) if len(states) else 0
-        runs = [[s.history[-1], *block.tokens[r, : int(lengths[r])].tolist()] for r, s in enumerate(states)]
+        # Python lists once per round, not a tensor slice and .tolist() per request (at R = 256
+        # of a tiny model those were a tenth of a round).
+        lens = lengths.tolist()
+        if g:
+            drafted = block.tokens[:, :g].tolist()
+            runs = [[s.history[-1], *drafted[r][:lens[r]]] for r, s in enumerate(states)]
+        else:
+            drafted = [[] for _ in states]
+            runs = [[s.history[-1]] for s in states]
         parents = block.parents
         if parents is not None:
             if not self.trees:
@@ -356,22 +364,24 @@ class Engine:
         clock = self._lap("verify", clock)
         # The run rows each request keeps: its anchor, then the accepted drafts — the first n of
         # a chain, the path's nodes of a tree (whose K/V move to the positions after the anchor).
-        kept_rows = [list(range(int(n) + 1)) for n in result.num_accepted.tolist()]
-        drafts = [tokens[r] for r in keep]
+        accepted = result.num_accepted.tolist()
+        kept_rows = [list(range(n + 1)) for n in accepted]
+        drafts = [drafted[r][:accepted[i]] for i, r in enumerate(keep)]
         if parents is not None:
+            paths = result.path.tolist()
             for i, r in enumerate(keep):
-                path = result.path[i, : int(result.num_accepted[i])].tolist()
+                path = paths[i][:accepted[i]]
                 kept_rows[i] = [0, *(j + 1 for j in path)]
-                drafts[i] = tokens[r, path] if path else tokens[r, :0]
+                drafts[i] = [drafted[r][j] for j in path]
                 start = len(states[r].history) - 1
                 self.cache.compact(states[r].slot, [start + j for j in kept_rows[i]], start)
         if self.taps:
             self._keep_features(states, keep, kept_rows, batch, out.taps)
         if parents is None and self._raw_confidence is not None:
             self._observe(states, keep, block, lengths, result.num_accepted, sampling)
+        offered, bonus = block.lengths.tolist(), result.next_token.tolist()
         for i, r in enumerate(keep):
-            events.append(self._commit(states[r], drafts[i], int(lengths[r]), int(block.lengths[r]),
-                                       int(result.num_accepted[i]), int(result.next_token[i])))
+            events.append(self._commit(states[r], drafts[i], lens[r], int(offered[r]), accepted[i], bonus[i]))
         self._lap("commit", clock)
         return events
 
@@ -483,13 +493,13 @@ class Engine:
         out[:, :drawn.shape[1]] = drawn
         return out
 
-    def _commit(self, s: _Active, drafts: Tensor, verified: int, drafted: int, accepted: int,
+    def _commit(self, s: _Active, drafts: list[int], verified: int, drafted: int, accepted: int,
                 next_token: int) -> StreamEvent:
         start = len(s.history) - 1  # the anchor's position
         # Keep the anchor and the accepted drafts; everything the pass wrote past them is dropped.
         self.cache.advance(s.slot, start + 1 + accepted)
         s.stats.record_round(verified, accepted, drafted)
-        proposed = [*drafts[:accepted].tolist(), next_token]
+        proposed = [*drafts[:accepted], next_token]
         remaining = s.max_new_tokens - len(s.output)
         room = self.context_limit - len(s.history)
         kept, reason = apply_token_stops(proposed, s.eos_ids, remaining, room)
