@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specforge.errors import ConfigError
-from specforge.runtime import Needs, TargetModel
+from specforge.runtime import Needs, TargetModel, load_target
 from specforge.runtime import choice as choice_mod
 from specforge.runtime.choice import BackendChoice, choose_backend
 
@@ -39,7 +39,7 @@ def _choose(request: str, needs: Needs, monkeypatch, *, can_run: str | None = No
 
     monkeypatch.setattr(choice_mod, "where_llamacpp_cannot_run", lambda gguf: can_run)
     monkeypatch.setattr(choice_mod, "resolve_backend", lambda name, backends, vocab, key, say, requests: (
-        say(f"measured → {faster}") or BackendChoice(faster, _seconds(faster))))
+        say(f"measured → {faster}") or BackendChoice(_seconds(faster))))
     got = choose_backend(request, torch_b, open_llamacpp, Path("t.gguf"), needs, name="t", vocab=8,
                          key=lambda: "k", log=said.append)
     return got.name, said, llama_b.opened
@@ -64,7 +64,7 @@ def test_a_named_backend_is_the_users_word(monkeypatch):
     with pytest.raises(ConfigError, match="cannot tap layer 29; use target.backend=torch"):
         _choose("llama.cpp", Needs((3, 29)), monkeypatch)
     with pytest.raises(ValueError, match="backend must be one of auto, torch, llama.cpp; got 'cuda'"):
-        _choose("cuda", Needs(), monkeypatch)
+        load_target("no/such/model", backend="cuda")  # refused before anything is looked for or loaded
 
 
 def test_needs_combine_and_a_target_keeps_its_backend():
@@ -101,7 +101,7 @@ def test_auto_decides_on_the_passes_of_the_load_it_serves(monkeypatch):
     faster on the batched decode step — from one measurement, said with its numbers."""
     seconds = {"llama.cpp": {"decode-1": 0.009, "decode-8": 0.039, "verify-8": 0.026},
                "torch": {"decode-1": 0.013, "decode-8": 0.029, "verify-8": 0.042}}
-    measured = BackendChoice("llama.cpp", seconds)
+    measured = BackendChoice(seconds)
     assert measured.for_load(1) == "llama.cpp" and measured.for_load(64) == "torch"
     assert measured.for_load(None) == ("llama.cpp" if measured.speedup() >= 1 else "torch")
     line = measured.describe(1)

@@ -1,7 +1,9 @@
 """Binding a pipeline's components to the target: lifecycle steps 1–2 of :mod:`specforge.components`.
 
 The engine calls :func:`bind_components` once, when it is built; a calibrator fitted on another
-drafter's rounds is refused before that (:func:`check_calibrator`).  Everything here runs before
+drafter's rounds is refused before that (:func:`check_calibrator`).  Before the target exists, what
+its drafter will tap is asked of the drafter (:func:`drafter_needs`), so the target loads with a
+backend that serves it (:func:`load_pipeline_target`).  Everything here runs before
 the first round, so the round loop (:mod:`specforge.engine.engine`) never looks at a component's
 optional methods except through its protocol.
 """

@@ -381,7 +381,7 @@ class Engine:
             self._observe(states, keep, block, lengths, result.num_accepted, sampling)
         offered, bonus = block.lengths.tolist(), result.next_token.tolist()
         for i, r in enumerate(keep):
-            events.append(self._commit(states[r], drafts[i], lens[r], int(offered[r]), accepted[i], bonus[i]))
+            events.append(self._commit(states[r], drafts[i], lens[r], offered[r], accepted[i], bonus[i]))
         self._lap("commit", clock)
         return events
 

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from specforge.config import BACKENDS
 from specforge.errors import ConfigError
 from specforge.passes import VarlenBatch
 from specforge.runtime.contract import Needs, TargetBackend
@@ -54,7 +53,8 @@ def _load(requests: int | None) -> str:
 
 @dataclass(frozen=True)
 class BackendChoice:
-    backend: str  # the verdict over every pass (a load not given)
+    """The timings of :data:`PASSES` on both backends; the verdict for a load is :meth:`for_load`."""
+
     seconds: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # backend -> pass -> seconds
 
     def speedup(self, passes: tuple[str, ...] = tuple(PASSES)) -> float:
@@ -75,14 +75,14 @@ class BackendChoice:
                 f"{self.speedup(chosen):.2f}x torch's speed)")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": "specforge.backend", "version": 1, "backend": self.backend,
+        return {"format": "specforge.backend", "version": 1, "backend": self.for_load(None),
                 "seconds": {b: {p: round(s, 6) for p, s in by.items()} for b, by in self.seconds.items()}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BackendChoice:
         try:
             seconds = {str(b): {str(p): float(s) for p, s in by.items()} for b, by in data["seconds"].items()}
-            choice = cls(str(data["backend"]), seconds)
+            choice = cls(seconds)
             choice.speedup()
             return choice
         except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
@@ -92,7 +92,7 @@ class BackendChoice:
 @torch.inference_mode()
 def measure_backends(backends: Mapping[str, Any], vocab: int, reps: int = 10) -> BackendChoice:
     """Time :data:`PASSES` on each of ``backends`` (``{"torch": …, "llama.cpp": …}``, objects with
-    ``new_cache`` and ``forward``), interleaved; llama.cpp unless torch is faster."""
+    ``new_cache`` and ``forward``), interleaved."""
     gen = torch.Generator().manual_seed(0)
     most = max(r for r, _ in PASSES.values())
     context = [torch.randint(0, vocab, (_CONTEXT,), generator=gen) for _ in range(most)]
@@ -111,10 +111,7 @@ def measure_backends(backends: Mapping[str, Any], vocab: int, reps: int = 10) ->
     times = {}
     for name in PASSES:  # one pass kind at a time, its arms interleaved
         times.update(interleaved_seconds({k: f for k, f in arms.items() if k[1] == name}, reps))
-    seconds = {label: {name: times[(label, name)] for name in PASSES} for label in backends}
-    torch_s = math.exp(sum(math.log(seconds["torch"][p]) for p in PASSES) / len(PASSES))
-    llama_s = math.exp(sum(math.log(seconds["llama.cpp"][p]) for p in PASSES) / len(PASSES))
-    return BackendChoice("torch" if torch_s < llama_s else "llama.cpp", seconds)
+    return BackendChoice({label: {name: times[(label, name)] for name in PASSES} for label in backends})
 
 
 def resolve_backend(name: str, backends: Mapping[str, TargetBackend], vocab: int, key: str,
@@ -153,12 +150,12 @@ def where_llamacpp_cannot_run(gguf: Path | None) -> str | None:
 def choose_backend(request: str, torch_backend: TargetBackend, open_llamacpp: Callable[[], TargetBackend],
                    gguf: Path | None, needs: Needs, *, name: str, vocab: int, key: Callable[[], str],
                    log: Callable[[str], None] | None = None) -> TargetBackend:
-    """The backend a target's passes run on: ``request`` (``target.backend``) decided with what the
-    caller ``needs``, said once through ``log`` when ``auto`` decided it.  ``open_llamacpp`` opens
+    """The backend a target's passes run on: ``request`` (``target.backend``, one of
+    :data:`~specforge.config.BACKENDS` — :func:`~specforge.runtime.load.load_target` refuses any
+    other before the slow load) decided with what the caller ``needs``, said once through ``log``
+    when ``auto`` decided it.  ``open_llamacpp`` opens
     the GGUF in libllama (only called where llama.cpp may run); ``key`` names the measurement's cache
     entry."""
-    if request not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {request!r}")
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if request == "torch":
         return torch_backend

@@ -16,6 +16,7 @@ runtime whose backend has them, and says so once; a backend that lacks one says 
 from __future__ import annotations
 
 import heapq
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -67,7 +68,7 @@ class CacheFullError(RuntimeError):
     """No free slot, or a write past a slot's capacity."""
 
 
-class SlotTable:
+class SlotTable(ABC):
     """The engine's view of a cache: one slot per request and how many of its positions hold
     valid keys and values.  Where those live is a subclass's: :class:`~specforge.runtime.torch.cache.KVCache` (tensors),
     :class:`~specforge.runtime.llamacpp.backend.LlamaCppCache` (llama.cpp's memory)."""
@@ -117,11 +118,11 @@ class SlotTable:
             raise CacheFullError(f"slot {slot}: length {length} exceeds the capacity {self.capacity}")
         self.lengths[slot] = length
 
+    @abstractmethod
     def compact(self, slot: int, keep: list[int], start: int) -> None:
         """Move the K/V at positions ``keep`` (ascending, each ≥ ``start``) of ``slot`` to
         ``start, start + 1, …``: after a tree pass, the accepted path's entries become the
-        consecutive positions they hold from now on."""
-        raise NotImplementedError
+        consecutive positions they hold from now on (where the K/V live decides how)."""
 
     def crop(self, slot: int, length: int) -> None:
         """Roll ``slot`` back to its first ``length`` positions."""

@@ -10,7 +10,6 @@ a model name with a few of its fields.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -37,10 +36,6 @@ from specforge.runtime.torch.quantized import NativeWeightsError, require_bfloat
 __all__ = ["load_target"]
 
 FIELDS = tuple(f for f in TargetConfig.model_fields if f != "model")
-
-
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _settings(spec: TargetConfig | str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -137,8 +132,7 @@ def load_target(spec: TargetConfig | str = "smollm2", *, needs: Needs | Callable
     key = machine_key(kind="precision", target=model, candidates=candidates, auto=auto, kv_dtype=kv_dtype,
                       method=method_key())
     plan = resolve_precision(model, build, candidates, skipped, key, log=log, auto=auto)
-    runtimes = {p: build(p) for p in plan.precisions}
-    torch_backend = TorchBackend(runtimes, plan)
+    torch_backend = TorchBackend({p: build(p) for p in plan.precisions}, plan)
     compile_choice = None
     if compile == "auto":
         from specforge.runtime.torch import compile_choice as compile_mod
@@ -168,5 +162,5 @@ def load_target(spec: TargetConfig | str = "smollm2", *, needs: Needs | Callable
     wanted = needs(args) if callable(needs) else needs
     passes = choose_backend(backend, torch_backend, open_llamacpp, gguf, wanted, name=model,
                             vocab=torch_backend.vocab_size, key=backend_key, log=log)
-    return TargetModel(hf_model, tokenizer, name=model, precision=plan, runtimes=runtimes, backend=passes,
-                       torch_backend=torch_backend, compile_choice=compile_choice)
+    return TargetModel(hf_model, tokenizer, name=model, backend=passes, torch_backend=torch_backend,
+                       compile_choice=compile_choice)

@@ -19,7 +19,6 @@ from specforge.runtime.torch.backend import TorchBackend
 from specforge.runtime.torch.model import Transformer
 from specforge.runtime.torch.precision import DTYPE, PrecisionPlan
 from specforge.runtime.torch.quantized import NativeWeightsError, use_native_weights
-from specforge.toolkit.linear_plan import record_measured
 
 __all__ = ["DTYPES", "TargetModel", "build_runtime", "dtype_name"]
 
@@ -57,37 +56,30 @@ class TargetModel:
     """
 
     def __init__(self, hf_model: Any, tokenizer: Any = None, dtype: torch.dtype = torch.float32,
-                 name: str = "model", precision: PrecisionPlan | None = None,
-                 runtimes: Mapping[str, Transformer] | None = None, gguf: Path | None = None,
+                 name: str = "model", precision: PrecisionPlan | None = None, gguf: Path | None = None,
                  backend: TargetBackend | None = None, torch_backend: TorchBackend | None = None,
                  compile_choice: Any = None) -> None:
         """A target over ``hf_model``'s weights; :func:`~specforge.runtime.load.load_target` is how
-        jobs get one (it decides ``backend``).  Built here directly — tests, tiny models — its
-        passes run on the torch runtime unless ``backend`` is given."""
+        jobs get one (it builds ``torch_backend`` and decides ``backend``).  Built here directly —
+        tests, tiny models — its runtimes are built in ``precision`` (default: ``dtype`` for every
+        pass) and its passes run on them unless ``backend`` is given."""
         self.name = name
         self.compile_choice = compile_choice  # target.compile: auto's verdict (compile_choice.CompileChoice)
         self.args = ModelArgs.from_hf_config(hf_model.config)
         self.hf_model = hf_model
         self.tokenizer = tokenizer
-        self.precision = precision or PrecisionPlan.fixed(dtype_name(dtype))
-        # projections running natively on 4-bit blocks vs dense (see load_target(weights="native"))
-        self.weights = {"native": 0, "dense": 4 * self.args.n_layers + 1}  # + the LM head
-        built = dict(runtimes or {})
-        self.runtimes: dict[str, Transformer] = {}
-        for p in self.precision.precisions:
-            self.runtimes[p] = built.get(p) or build_runtime(self.args, hf_model, p, gguf)
-            kernels = self.precision.linear_plan(p)
-            if kernels is not None:
-                self.runtimes[p].set_linear_plan(kernels)
-                record_measured(self.runtimes[p].dtype, kernels)
-            if p == "q4":
-                self.weights = self.runtimes[p].native_counts
-        self.runtime = self.runtimes[self.precision.primary]
-        self.dtype = self.runtime.dtype
-        self.eos_ids = self._eos_ids(hf_model, tokenizer)
+        if torch_backend is None:
+            plan = precision or PrecisionPlan.fixed(dtype_name(dtype))
+            torch_backend = TorchBackend({p: build_runtime(self.args, hf_model, p, gguf) for p in plan.precisions}, plan)
         # The torch runtime stays whatever computes the passes: the drafters share its embedding and
         # LM head, and teacher-forced feature extraction and training run on it (:meth:`teacher`).
-        self.torch = torch_backend or TorchBackend(self.runtimes, self.precision)
+        self.torch = torch_backend
+        self.precision, self.runtimes, self.runtime = torch_backend.precision, torch_backend.runtimes, torch_backend.runtime
+        self.dtype = self.runtime.dtype
+        # projections running natively on 4-bit blocks vs dense (see load_target(weights="native"))
+        q4 = self.runtimes.get("q4")
+        self.weights = q4.native_counts if q4 is not None else {"native": 0, "dense": 4 * self.args.n_layers + 1}
+        self.eos_ids = self._eos_ids(hf_model, tokenizer)
         self.backend: TargetBackend = backend or self.torch  # decided once (load_target); never swapped
 
     def compile(self, enabled: bool = True) -> bool:
@@ -123,7 +115,7 @@ class TargetModel:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.runtime.lm_head.shape[0])
+        return self.torch.vocab_size
 
     @property
     def max_positions(self) -> int:

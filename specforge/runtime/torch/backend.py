@@ -14,6 +14,7 @@ from specforge.passes import VarlenBatch
 from specforge.runtime.contract import ForwardOutput, Needs
 from specforge.runtime.torch.model import Transformer
 from specforge.runtime.torch.precision import PrecisionPlan
+from specforge.toolkit.linear_plan import record_measured
 
 __all__ = ["TorchBackend"]
 
@@ -24,8 +25,15 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, runtimes: Mapping[str, Transformer], precision: PrecisionPlan) -> None:
-        self.runtimes, self.precision = runtimes, precision
-        self.runtime = runtimes[precision.primary]
+        """``runtimes``: one per precision of the plan, each given the matmul kernels the plan
+        measured for it here — before anything times or compiles them."""
+        self.runtimes, self.precision = dict(runtimes), precision
+        for p, runtime in self.runtimes.items():
+            kernels = precision.linear_plan(p)
+            if kernels is not None:
+                runtime.set_linear_plan(kernels)
+                record_measured(runtime.dtype, kernels)  # what the drafters' projections read
+        self.runtime = self.runtimes[precision.primary]
 
     @property
     def vocab_size(self) -> int:
