@@ -426,7 +426,7 @@ def _missing(case: EngineCase, drafter: Path | None = None) -> str | None:
     if case.kind == "simulated":
         return None
     if case.kind == "vllm":
-        from specforge.peers.vllm import VllmNotInstalled, find_vllm_python
+        from specforge.peers.vllm_client import VllmNotInstalled, find_vllm_python
 
         try:
             find_vllm_python()
@@ -503,7 +503,7 @@ def _run_case(case: EngineCase, arms: Sequence[Arm], level: float, seed: int, th
         with engine:
             report.arms = run_arms(engine, engine.reference, prompts, arms, level, seed, progress=progress)
     elif case.kind == "vllm":
-        from specforge.peers.vllm import ngram_variant
+        from specforge.peers.vllm_client import ngram_variant
 
         engine = VllmEngine(case.name, ngram_variant(3, 3, 1)["speculative_config"], log=log)
         # started only if an arm's laws come back unusable (vLLM 0.32 CPU: NaN processed

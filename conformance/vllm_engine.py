@@ -29,7 +29,7 @@ class VllmEngine:
 
     def __init__(self, name: str, speculative_config: dict[str, Any] | None, logprobs: int = 20,
                  log: Path | None = None, start_timeout: float = 600.0) -> None:
-        from specforge.peers.vllm import export_smollm2_hf, find_vllm_python
+        from specforge.peers.vllm_client import export_smollm2_hf, find_vllm_python
 
         self.name, self.spec, self.logprobs = name, speculative_config, logprobs
         self.python = find_vllm_python()  # VllmNotInstalled names the install command

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from specforge.bench import hf_baseline
-from specforge.peers import vllm as vllm_client
+from specforge.peers import vllm_client
 from specforge.peers.records import rounds_for, summarize
 import specforge
 from specforge.evalsets import (
@@ -23,7 +23,7 @@ from specforge.evalsets import (
     load_turns,
     select_prompts,
 )
-from specforge.peers.vllm import (
+from specforge.peers.vllm_client import (
     VllmNotInstalled,
     bench_vllm,
     find_vllm_python,

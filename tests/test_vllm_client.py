@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specforge.peers.vllm import VllmNotInstalled, find_vllm_python
+from specforge.peers.vllm_client import VllmNotInstalled, find_vllm_python
 from specforge.bench.peer_drafter import passed, run_vllm_drafter, table
 from specforge.peers.vllm_drafter import VllmDrafterSettings
 from specforge.config import EngineConfig, load_pipeline

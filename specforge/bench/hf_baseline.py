@@ -5,7 +5,7 @@ every request produces exactly that many tokens and every system in the benchmar
 work.  At concurrency ``c > 1`` the ``c`` prompts of a round form one left-padded batch.
 
 Results are plain dicts, one record per (system, variant, concurrency), the same shape as the
-records of :mod:`specforge.peers.vllm`, so the engine benchmark can put them in one table::
+records of :mod:`specforge.peers.vllm_client`, so the engine benchmark can put them in one table::
 
     {
       "system": "hf-generate",          # hf-generate | vllm-cpu | specforge (the engine)

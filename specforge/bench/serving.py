@@ -168,7 +168,7 @@ def _vllm_records(batch: list[list[int]], r: int, max_new_tokens: int, model: st
     """vLLM CPU's plain and ngram arms at concurrency ``r`` on ``batch`` (closed loop) serving the
     same target (its HF directory, or the GGUF's cached conversion), as records of this benchmark
     (``arm`` vllm-plain / vllm-ngram; τ from vLLM's draft counters, no verify-budget fields)."""
-    from specforge.peers.vllm import DEFAULT_VARIANTS, VllmNotInstalled, bench_vllm, find_vllm_python
+    from specforge.peers.vllm_client import DEFAULT_VARIANTS, VllmNotInstalled, bench_vllm, find_vllm_python
     from specforge.model_files import converted_checkpoint
 
     try:

@@ -1,6 +1,6 @@
 """vLLM's CPU build as a peer serving a drafter trained here: the drafter exported with ``specforge
 export --to vllm`` and loaded by vLLM itself (``speculative_config={"method": …, "model": <folder>}``),
-in its own venv and process (:mod:`specforge.peers.vllm`).  Its acceptance statistic is vLLM's mean
+in its own venv and process (:mod:`specforge.peers.vllm_client`).  Its acceptance statistic is vLLM's mean
 acceptance length (1 + accepted draft tokens per draft, from its own ``spec_decode`` counters).
 ``specforge bench vllm-drafter`` runs it (:mod:`specforge.bench.peer_drafter`).
 """
@@ -33,7 +33,7 @@ class VllmDrafterSettings(PeerDrafterSettings):
 
 
 class VllmPeer:
-    """vLLM's CPU build in its own venv and process (:mod:`specforge.peers.vllm`)."""
+    """vLLM's CPU build in its own venv and process (:mod:`specforge.peers.vllm_client`)."""
 
     name = "vLLM"
     layout = "vllm"
@@ -46,7 +46,7 @@ class VllmPeer:
         self.pipeline_overrides = (f"target.dtype={dtype}", "target.backend=torch")
 
     def check(self) -> str:
-        from specforge.peers.vllm import find_vllm_python, vllm_version
+        from specforge.peers.vllm_client import find_vllm_python, vllm_version
 
         return vllm_version(find_vllm_python())  # VllmNotInstalled says how to install it
 
@@ -56,7 +56,7 @@ class VllmPeer:
     def run(self, export: Path, method: str, gamma: int, prompt_ids: list[list[int]],
             settings: PeerDrafterSettings, out: Path, progress: bool, target: str) -> PeerRun | dict[str, Any]:
         from specforge.acceptance import tau
-        from specforge.peers.vllm import bench_vllm
+        from specforge.peers.vllm_client import bench_vllm
 
         variants = [{"name": "plain"},
                     {"name": method, "speculative_config": {"method": VLLM_METHODS[method],

@@ -1,7 +1,7 @@
 """Time vLLM's CPU build on a set of prompts.  Runs INSIDE the vLLM venv (``.venv-vllm``).
 
 This file is a standalone script: it imports vLLM and the standard library only, never
-specforge (the vLLM venv does not have it).  :mod:`specforge.peers.vllm` runs it in a
+specforge (the vLLM venv does not have it).  :mod:`specforge.peers.vllm_client` runs it in a
 subprocess; it can also be run by hand::
 
     .venv-vllm/bin/python specforge/peers/vllm_runner.py request.json     # or '-' for stdin
@@ -129,7 +129,7 @@ def _spec_decode(before: dict[str, float], after: dict[str, float]) -> dict[str,
 
 
 def _temperature(req: dict[str, Any]) -> float:
-    """The request's sampling temperature; its caller (specforge.peers.vllm) always sends the
+    """The request's sampling temperature; its caller (specforge.peers.vllm_client) always sends the
     benches' own, and a request written by hand decodes greedily."""
     return float(req.get("temperature", 0.0))
 
