@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["BENCHES", "commands"]
 
 # In the order `specforge bench --help` lists them.
-BENCHES = ("engine_bench", "ab", "round", "drafters", "probe", "serving", "peer_drafter", "attention")
+BENCHES = ("engine_bench", "ab", "round", "pass_profile", "drafters", "probe", "serving", "peer_drafter", "attention")
 
 
 def commands() -> list[Subcommand]:
