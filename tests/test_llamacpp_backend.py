@@ -317,12 +317,47 @@ def test_the_engines_greedy_tokens_are_llama_cpps_own(target, preset):
     assert engine_outputs(target, prompts, 24, preset) == theirs
 
 
+# Two logits that each move by up to 0.6 (above) can trade places when their margin is below 1.2.
+NEAR_TIE = 1.2
+
+
+def llama_cpp_margin(target, prompt, continuation, a, b):
+    """llama.cpp's own logit of token ``a`` minus that of ``b`` after ``prompt + continuation``,
+    reached as ``Llama.generate`` reaches it (the prompt in one pass, then one token a pass), and
+    whether the two are its top two."""
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model_path=str(target.backend.gguf), n_ctx=1024, n_threads=torch.get_num_threads(),
+                          n_batch=512, flash_attn=True, logits_all=True, verbose=False)
+    llm.eval(prompt)
+    for token in continuation:
+        llm.eval([token])
+    logits = np.asarray(llm.scores[llm.n_tokens - 1])
+    top2 = set(np.argsort(-logits)[:2].tolist())
+    return float(logits[a] - logits[b]), top2 == {a, b}
+
+
 @pytest.mark.slow
 def test_greedy_parity_on_twelve_prompts_of_mixed_length(target):
+    """Plain decoding gives llama.cpp's own greedy tokens exactly.  With drafts the verify passes
+    have other shapes, whose Q8_1 numerics can flip a near-tie (docs/backends.md): every place the
+    ngram arm leaves llama.cpp's text is such a tie — the two tokens are llama.cpp's top two there,
+    closer than two logits' noise — and most prompts do not leave it at all."""
     prompts = _prompts(target, 12)
     theirs = llama_cpp_greedy(target, prompts, 128)
     assert engine_outputs(target, prompts, 128) == theirs
-    assert engine_outputs(target, prompts, 128, "ngram") == theirs
+    drafted = engine_outputs(target, prompts, 128, "ngram")
+    left = 0
+    for ids, ours, plain in zip(prompts, drafted, theirs):
+        if ours == plain:
+            continue
+        left += 1
+        k = next((i for i, (x, y) in enumerate(zip(ours, plain)) if x != y), min(len(ours), len(plain)))
+        assert k < min(len(ours), len(plain)), "one output stops early where the other goes on"
+        margin, top_two = llama_cpp_margin(target, ids, plain[:k], plain[k], ours[k])
+        assert top_two and 0 <= margin < NEAR_TIE, (k, plain[k], ours[k], margin)
+    assert left <= len(prompts) // 4, f"{left} of {len(prompts)} prompts left llama.cpp's greedy text"
 
 
 # -- the conformance suite with its target on llama.cpp ------------------------------------------
