@@ -96,3 +96,40 @@ def test_a_float32_cache_stays_exact_unless_told_otherwise():
     ref = va.varlen_attention_reference(q, kc, vc, cu, sl, sp, 0.125)
     assert torch.equal(pa.varlen_attention_planned(q, kc, vc, exact, 0.125), ref)
     torch.testing.assert_close(pa.varlen_attention_planned(q, kc, vc, grouped, 0.125), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("batched", [None, False])
+def test_matmul_decode_rows_match_the_reference(seed, batched):
+    """Decode rows through two matmuls (plan.matmul_decode): in float32 within float32 rounding of
+    the reference, in bf16 within the one extra rounding of the scores; passes that mix decode
+    rows with verify runs and a prefill chunk keep SDPA for those."""
+    import random
+    rng = random.Random(seed)
+    n_req = rng.randint(1, 12)
+    slots = rng.sample(range(16), n_req)
+    runs = [rng.choice([1, 1, 1, 3, 8, 20]) for _ in range(n_req)]
+    starts = [rng.choice([0, 3, 40, 150, 900]) for _ in range(n_req)]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        q, kc, vc, cu, sl, sp = _case(dtype, runs, slots, starts, T=1024, seed=seed)
+        plan = pa.plan_varlen_attention(cu, sl, sp, kc, q.shape[0], q.shape[1], batched, exact=False, matmul_decode=True)
+        assert plan.matmul_decode
+        ref = va.varlen_attention_reference(q.float(), kc.float(), vc.float(), cu, sl, sp, 0.125)
+        got = pa.varlen_attention_planned(q, kc, vc, plan, 0.125)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+def test_decode_rows_is_sdpa_of_one_query_per_slot():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(5, 9, 16, generator=g), torch.randn(5, 3, 40, 16, generator=g), torch.randn(5, 3, 40, 16, generator=g)
+    mask = torch.arange(40)[None, :] < torch.tensor([40, 7, 1, 33, 20])[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=0.25,
+                                                           enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(pa.decode_rows(q, k, v, mask, 0.25), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_tree_pass_keeps_sdpa():
+    q, kc, vc, cu, sl, sp = _case(torch.bfloat16, [3], [0], [10])
+    plan = pa.plan_varlen_attention(cu, sl, sp, kc, 3, q.shape[1], tree=torch.tensor([1, 3, 5]), matmul_decode=True)
+    assert plan.tree is not None and not plan.matmul_decode
