@@ -10,7 +10,7 @@ test_planned_attention.py checks it there), which remains the specification.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ from torch import Tensor
 
 from specforge_kernels.varlen_attention import attend_per_request, host_meta, tree_bits
 
-__all__ = ["VarlenPlan", "decode_rows", "plan_varlen_attention", "varlen_attention_planned"]
+__all__ = ["VarlenPlan", "plan_varlen_attention", "varlen_attention_planned"]
 
 @dataclass(frozen=True)
 class _Padded:
@@ -56,9 +56,6 @@ class VarlenPlan:
     groups: tuple[_Padded, ...] = ()
     alone: tuple[int, ...] = ()
     gather: Tensor | None = None  # [N]: row of the concatenated outputs holding flat token i
-    # Decode rows (one query over a request's cache) through two matmuls instead of SDPA — see
-    # decode_rows; set where the runtime measured it faster (specforge.runtime.torch.kv_dtype).
-    matmul_decode: bool = False
 
 
 # Decode and verify runs are short: up to this many tokens per request go through a padded SDPA.
@@ -91,7 +88,6 @@ def plan_varlen_attention(
     batched: bool | None = None,
     tree: Tensor | None = None,
     exact: bool | None = None,
-    matmul_decode: bool = False,
 ) -> VarlenPlan:
     """Validate the metadata of an ``n_tokens`` pass (``q_heads`` query heads) against
     ``k_cache``'s shape and plan it.
@@ -119,15 +115,7 @@ def plan_varlen_attention(
     The padded path reads keys past a request's own length (masked).  A NaN or inf there would
     poison the row (0 × NaN), so it needs the slot's stale entries to be finite; the runtime's
     :class:`~specforge.runtime.torch.cache.KVCache` clears what a request wrote when its slot is freed.
-
-    ``matmul_decode`` runs the plan's decode rows through :func:`decode_rows` (tree passes keep SDPA).
     """
-    plan = _plan(cu_seqlens, slots, start_pos, k_cache, n_tokens, q_heads, batched, tree, exact)
-    return replace(plan, matmul_decode=True) if matmul_decode and plan.tree is None else plan
-
-
-def _plan(cu_seqlens: Tensor, slots: Tensor, start_pos: Tensor, k_cache: Tensor, n_tokens: int, q_heads: int,
-          batched: bool | None, tree: Tensor | None, exact: bool | None) -> VarlenPlan:
     n_slots, hkv, capacity, _ = k_cache.shape
     group = max(1, q_heads // hkv)
     cu, sl, sp = host_meta(n_tokens, n_slots, capacity, cu_seqlens, slots, start_pos)
@@ -248,58 +236,16 @@ def varlen_attention_planned(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: 
     ``q``/``k_cache``/``v_cache`` must be those the plan was made for (one layer's cache of the
     shape it was checked against); nothing is re-checked here, that is the point of a plan.
     """
-    matmul = plan.matmul_decode
     if plan.padded is not None:
-        return _group(q, k_cache, v_cache, plan.padded, scale, True, matmul)
-    cu, sl, sp = plan.cu, plan.slots, plan.start
+        return _attend_padded(q, k_cache, v_cache, plan.padded, scale, gather=True)
     if not plan.groups:
-        if not matmul:
-            return attend_per_request(q, k_cache, v_cache, cu, sl, sp, scale, plan.tree)
-        return torch.cat([_alone(q, k_cache, v_cache, cu, sl, sp, r, scale, matmul) for r in range(len(sl))])
-    parts = [_group(q, k_cache, v_cache, p, scale, False, matmul) for p in plan.groups]
-    parts += [_alone(q, k_cache, v_cache, cu, sl, sp, r, scale, matmul) for r in plan.alone]
+        return attend_per_request(q, k_cache, v_cache, plan.cu, plan.slots, plan.start, scale, plan.tree)
+    parts = [_attend_padded(q, k_cache, v_cache, p, scale, gather=False) for p in plan.groups]
+    cu, sl, sp = plan.cu, plan.slots, plan.start
+    for r in plan.alone:
+        parts.append(attend_per_request(q[cu[r]:cu[r + 1]], k_cache, v_cache, [0, cu[r + 1] - cu[r]], [sl[r]],
+                                         [sp[r]], scale))
     return torch.cat(parts)[plan.gather]
-
-
-def _group(q: Tensor, k_cache: Tensor, v_cache: Tensor, p: _Padded, scale: float, gather: bool, matmul: bool) -> Tensor:
-    if not (matmul and p.n_max == 1):
-        return _attend_padded(q, k_cache, v_cache, p, scale, gather)
-    qp = q if p.q_index is None else q[p.q_index]  # [P, Hq, D]: one decode row per slot
-    o = decode_rows(qp, k_cache[p.base : p.base + p.span, :, : p.length], v_cache[p.base : p.base + p.span, :, : p.length],
-                    p.mask.view(p.span, p.length), scale)
-    return o if p.out_index is None or not gather else o[p.out_index]
-
-
-def _alone(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu: list[int], sl: list[int], sp: list[int], r: int,
-           scale: float, matmul: bool) -> Tensor:
-    """Request ``r``'s rows on their own: a decode row by :func:`decode_rows` (with ``matmul``),
-    anything else by the per-request SDPA."""
-    a, b = cu[r], cu[r + 1]
-    if matmul and b - a == 1:
-        length = sp[r] + 1
-        return decode_rows(q[a:b], k_cache[sl[r] : sl[r] + 1, :, :length], v_cache[sl[r] : sl[r] + 1, :, :length],
-                           None, scale)
-    return attend_per_request(q[a:b], k_cache, v_cache, [0, b - a], [sl[r]], [sp[r]], scale)
-
-
-def decode_rows(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """One query per slot over its keys, as two batched matmuls: ``q`` ``[P, Hq, D]``, ``k``/``v``
-    ``[P, Hkv, L, D]`` (``Hq`` a multiple of ``Hkv``), ``mask`` ``[P, L]`` (True: visible) or None.
-
-    Where torch's CPU SDPA has no fast reduced-precision kernel (an AMD EPYC with AVX512-BF16 and
-    no AMX: a bf16 decode row ran 6–30x slower than in float32), oneDNN's bf16 matmuls still run
-    at the CPU's bf16 dot-product speed, and a bf16 cache is half the bytes a batched decode
-    streams: 16 rows over 1,024 keys ran ~2.5x faster than float32 SDPA there.  The G query heads
-    that share a kv head are one [G, D] × [D, L] product.  The scores come out of the matmul in
-    the cache's dtype (one rounding: ~2⁻⁹ relative) and are softmaxed in float32."""
-    p_, hq, d = q.shape
-    hkv, length = k.shape[1], k.shape[2]
-    qq = q.view(p_, hkv, hq // hkv, d)
-    scores = torch.matmul(qq, k.transpose(-1, -2)).float() * scale  # [P, Hkv, G, L]
-    if mask is not None:
-        scores = scores.masked_fill(~mask.view(p_, 1, 1, length), float("-inf"))
-    weights = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(weights, v).view(p_, hq, d)
 
 
 def _attend_padded(q: Tensor, k_cache: Tensor, v_cache: Tensor, p: _Padded, scale: float, gather: bool) -> Tensor:

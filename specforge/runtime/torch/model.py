@@ -19,7 +19,7 @@ from specforge.passes import VarlenBatch
 from specforge.runtime.contract import ForwardOutput
 from specforge.runtime.torch.cache import KVCache
 from specforge.toolkit.compiled import Attend, CompiledTrunk, compile_available
-from specforge.runtime.torch.kv_dtype import DecodeAttention, decode_attention
+from specforge.runtime.torch.kv_dtype import resolve_kv_dtype
 from specforge.toolkit.linear_plan import LinearPlan
 from specforge.toolkit.projection import Projection
 from specforge_kernels.planned_attention import VarlenPlan, plan_varlen_attention, varlen_attention_planned
@@ -144,12 +144,8 @@ class Transformer(nn.Module):
 
     def cache_dtype(self, device: torch.device | str = "cpu") -> torch.dtype:
         """The dtype a new cache on ``device`` stores K/V in (``kv_dtype`` resolved)."""
-        return self.decode_attention(device).dtype
-
-    def decode_attention(self, device: torch.device | str = "cpu") -> DecodeAttention:
-        """``kv_dtype`` resolved: the cache's dtype and the decode rows' kernel."""
         a = self.args
-        return decode_attention(self.kv_dtype, self.dtype, device, a.n_heads, a.n_kv_heads, a.head_dim)
+        return resolve_kv_dtype(self.kv_dtype, self.dtype, device, a.n_heads, a.n_kv_heads, a.head_dim)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         x = F.embedding(tokens, self.embed)
@@ -176,11 +172,9 @@ class Transformer(nn.Module):
         if not batch.tokens.is_cuda:
             # The attention metadata is the same for every layer: check it and copy it to the
             # host once per pass (the Triton kernel on CUDA reads it on the device instead).
-            decode = self.decode_attention()
             plan = plan_varlen_attention(batch.cu_seqlens, batch.slots, batch.start_pos, cache.k[0],
                                          batch.num_tokens, self.args.n_heads, self.batched_attention, batch.tree,
-                                         exact=self.dtype == torch.float32,
-                                         matmul_decode=decode.matmul and cache.k[0].dtype == decode.dtype)
+                                         exact=self.dtype == torch.float32)
             cache.note_written(plan.slots, [s + plan.cu[r + 1] - plan.cu[r] for r, s in enumerate(plan.start)])
         attend = _PassAttention(self.args.attention_scale, batch, cache, plan)
         trunk = self.trunk
