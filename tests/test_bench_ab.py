@@ -19,7 +19,7 @@ def test_help_lists_every_arm():
     for option in ("--arms", "--baseline", "--trials", "--concurrency", "--prompts", "--sharegpt",
                    "--max-new-tokens", "--threads", "--out"):
         assert option in result.stdout
-    engine = {f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram")}
+    engine = {f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram", "ngram-hw")}
     engine |= {f"{a}/{p}" for a in engine for p in ("auto", "float32", "bfloat16")}
     hf = {"hf", "hf/float32", "hf/bfloat16"}
     assert set(ARMS) == hf | engine | {f"{a}:{kv}" for a in engine for kv in ("model", "float32")}
@@ -82,3 +82,21 @@ def test_ratios_divide_by_the_baseline_of_the_same_trial(tmp_path):
     assert lines[0].split()[:3] == ["arm", "tok/s", "median"] and "÷ hf median" in lines[0]
     assert lines[3].split()[:3] == ["eager-plain", "10.0", "2.00"]
     assert save(REPORT, result, tmp_path)[0].name == "ab-hf-eager-plain-c1.json"
+
+
+def test_the_gated_ngram_arm_pairs_with_plain_and_counts_its_plain_rounds(tmp_path, monkeypatch):
+    """``eager-ngram-hw``: the n-gram drafter behind the hardware-aware scheduler's draft gate,
+    scheduled with this machine's step curve (measured once into the profile cache), paired with
+    plain decoding; the JSON says how many rounds its gate kept plain."""
+    from specforge.bench import ab
+    from specforge.runtime import load_target
+    from tiny_models import save_tiny, save_tokenizer
+
+    monkeypatch.setenv("SPECFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    path = save_tiny("llama", tmp_path / "m")
+    save_tokenizer(path)
+    monkeypatch.setattr(ab, "load_target", lambda *a, **k: load_target(str(path), dtype="float32", backend="torch"))
+    result = ab.run_ab(["eager-plain", "eager-ngram-hw"], trials=2, concurrency=2, prompts=2, max_new_tokens=4)
+    assert set(result["plain_rounds"]) == {"eager-ngram-hw"} and result["plain_rounds"]["eager-ngram-hw"] >= 0
+    assert len(result["tok_s"]["eager-ngram-hw"]) == 2
+    assert list((tmp_path / "cache" / "profiles").glob("*.json"))  # the step curve, measured once

@@ -8,8 +8,10 @@ arm's *in the same trial*.  The median and quartiles of those ratios over many t
 this reports — seconds apart, the machine's drift mostly cancels.
 
 Arms: ``hf`` (Hugging Face ``generate``, the batch left-padded), and
-``{eager,compiled}-{plain,ngram}`` (this engine, eager or compiled target forward; ``ngram`` with
-γ = 5 and the fixed scheduler, as in ``specforge bench engine``); a ``native-`` prefix runs the
+``{eager,compiled}-{plain,ngram,ngram-hw}`` (this engine, eager or compiled target forward; ``ngram``
+with γ = 5 and the fixed scheduler, ``ngram-hw`` the same drafter under the hardware-aware
+scheduler and its draft gate with this machine's step curve, as in ``specforge bench engine`` — the
+pairing that says what a round the gate keeps plain costs); a ``native-`` prefix runs the
 same arm with the GGUF's 4-bit blocks as stored (``target.weights=native``).  A ``/PRECISION``
 suffix sets the precision: ``/auto`` (the engine's default: measured on this machine, see
 docs/engine.md#precision), ``/float32`` or ``/bfloat16`` (without one: ``auto`` for the engine,
@@ -43,10 +45,12 @@ from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.machine import machine
 from specforge.runtime import load_target
 from specforge.runtime.target import dtype_name
+from specforge.toolkit.step_curve import machine_profile
 
 __all__ = ["ARMS", "ABError", "COMMAND", "REPORT", "quartiles", "ratios", "run_ab", "table"]
 
-_BASE_ARMS = [f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram")]
+_VARIANTS = ("plain", "ngram", "ngram-hw")
+_BASE_ARMS = [f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in _VARIANTS]
 _PRECISIONS = ("auto", "float32", "bfloat16")
 # An engine arm may name its precision (``eager-plain/float32``; default auto) and its KV cache's
 # dtype (specforge.runtime.torch.kv_dtype): ``eager-plain:float32``; without one the cache is ``auto``'s
@@ -98,7 +102,9 @@ class _Arms:
             base, precision, kv = _parts(a)
             target = self.targets[(_weights(a), precision)]
             target.runtime.kv_dtype = kv or "auto"  # read when the engine allocates its cache
-            self.engines[a] = variant_engine(target, base.rsplit("-", 1)[1], concurrency, max_new_tokens)
+            variant = base.removeprefix("native-").split("-", 1)[1]
+            profile = machine_profile(target) if variant.endswith("-hw") else None
+            self.engines[a] = variant_engine(target, variant, concurrency, max_new_tokens, profile)
         self.hf_models: dict[str, Any] = {}
         self.pad_id = 0
         hf_precisions = {_parts(a)[1] for a in arms if _parts(a)[0] == "hf"}
@@ -172,6 +178,8 @@ def run_ab(
             "machine": machine(),
             "compile_failed": {f"{w}/{p}": trunk.failed for (w, p), trunks in setup.trunks.items()
                                for p, trunk in trunks.items()},
+            # rounds a drafting arm ran without drafting (its scheduler's draft gate), warm-up included
+            "plain_rounds": {a: e.plain_rounds for a, e in setup.engines.items() if e.drafter is not None},
             "summary": ratios(speeds, baseline), "tok_s": speeds}
 
 
