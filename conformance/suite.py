@@ -259,8 +259,7 @@ class SuiteReport:
         labels = [band_label(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
         rows = [("verifier", *labels)]
         for row, b in book.items():
-            rows.append((row, *(("-" if label not in b else "∞" if math.isinf(b[label]) else
-                                 "≥ 0.5" if b[label] >= 0.5 else f"{b[label]:.3f}") for label in labels)))
+            rows.append((row, *(_detectable_cell(b, label) for label in labels)))
         return ("\n\nacceptance rate per band of the declared acceptance probability a (min(1, p/q) under the "
                 "rejection rule): the smallest shift of one band's rate the verifier's probes detect (≥ 99 % power; "
                 "'-': no draft there; ∞: too few to test)\n" + "\n".join(_columns(rows)))
@@ -290,8 +289,7 @@ class SuiteReport:
             return ""
         rows = [("tested as", *labels)]
         for kind, b in book.items():
-            rows.append((kind, *(("-" if label not in b else "∞" if math.isinf(b[label]) else
-                                  "≥ 0.5" if b[label] >= 0.5 else f"{b[label]:.3f}") for label in labels)))
+            rows.append((kind, *(_detectable_cell(b, label) for label in labels)))
         return ("\n\nmixed cases, sequence statistic per sampling setting: the smallest TV on that setting's "
                 "requests detected (≥ 99 % power, worst case; greedy: a point mass, any deviation is a draw of "
                 "probability 0)\n" + "\n".join(_columns(rows)))
@@ -299,6 +297,14 @@ class SuiteReport:
 
 def _setting_order(label: str) -> tuple:
     return (label != "greedy", label)
+
+
+def _detectable_cell(book: dict[str, float], label: str) -> str:
+    """A table cell of a smallest detectable effect: '-' none drawn there, ∞ too few to test."""
+    if label not in book:
+        return "-"
+    x = book[label]
+    return "∞" if math.isinf(x) else "≥ 0.5" if x >= 0.5 else f"{x:.3f}"
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:
