@@ -76,7 +76,7 @@ def test_a_bench_command_takes_its_help_from_its_measurement(tmp_path, capsys):
 
 def test_every_bench_module_declares_its_command_and_decodes_greedily_by_default():
     names = [c.name for c in commands()]
-    assert names == ["engine", "ab", "round", "drafters", "probe", "serving", "vllm-drafter", "llamacpp-drafter",
+    assert names == ["engine", "ab", "round", "pass", "drafters", "probe", "serving", "vllm-drafter", "llamacpp-drafter",
                      "attention"]
     assert len(BENCHES) == len(names) - 1  # peer_drafter declares two (vllm-drafter, llamacpp-drafter)
     assert all(c.help and c.description for c in commands())
