@@ -23,12 +23,12 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
-from specforge.bench.runner import Report, add_output_arguments, bench_command
+from specforge.bench.runner import Report, add_output_arguments, aligned, bench_command
 from specforge.config import load_pipeline
 from specforge.engine import Engine, GenerationRequest
 from specforge.errors import ConfigError
@@ -40,13 +40,14 @@ __all__ = ["COMMAND", "PASS_PARTS", "ROUND_PARTS", "REPORT", "profile_plain_step
 ROUND_PARTS = ("pass", "verifier", "commit", "engine other")
 PASS_PARTS = ("qkv", "attention", "o", "gate/up", "down", "lm head", "pass other")
 _LAYER_PROJECTIONS = {"qkv_proj": "qkv", "o_proj": "o", "up_proj": "gate/up", "down_proj": "down"}
+_TIMED = PASS_PARTS[:-1]  # "pass other" is what the timed parts leave of the pass
 
 
 class _Clock:
     """Seconds per part, accumulated by :class:`_Timed` wrappers."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = dict.fromkeys(PASS_PARTS, 0.0)
+        self.seconds: dict[str, float] = dict.fromkeys(_TIMED, 0.0)
 
     def timed(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -99,9 +100,8 @@ def _profile_one(engine: Engine, c: int, context: int, steps: int, split_pass: b
     engine.step()  # one decoding step of all c before the clocks start
     engine.reset_clocks()
     clock = _Clock()
-    runtimes = list(engine.target.torch.runtimes.values()) if split_pass else []
     walls = []
-    with _instrumented(runtimes, clock) if split_pass else _nothing():
+    with _instrumented(list(engine.target.torch.runtimes.values()), clock) if split_pass else nullcontext():
         for _ in range(steps):
             start = time.perf_counter()
             engine.step()
@@ -120,15 +120,10 @@ def _profile_one(engine: Engine, c: int, context: int, steps: int, split_pass: b
                      "engine other": (wall - ph["target"] - ph["verify"] - ph["commit"]) * per},
     }
     if split_pass:
-        inside = {p: clock.seconds[p] * per for p in PASS_PARTS if p != "pass other"}
+        inside = {p: s * per for p, s in clock.seconds.items()}
         inside["pass other"] = row["round_ms"]["pass"] - sum(inside.values())
         row["pass_ms"] = inside
     return row
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def profile_plain_steps(configs: list[str], overrides: list[str], concurrency: list[int], context: int,
@@ -163,12 +158,9 @@ def table(result: dict[str, Any]) -> str:
         cells = {**r["round_ms"], **r.get("pass_ms", {})}
         lines.append([str(r["concurrency"]), f"{r['tok_per_s']:.1f}", f"{r['step_ms']:.1f}",
                       *(f"{cells[p]:.1f} ({cells[p] / r['step_ms']:.0%})" for p in parts)])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    text = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
     inside = " (the pass split into its parts after 'engine other')" if len(parts) > len(ROUND_PARTS) else ""
     return (f"plain decoding step on {result['backend']} ({result['precision']}), ms (share of the step){inside}\n"
-            + "\n".join(text))
+            + aligned(lines))
 
 
 def plot(result: dict[str, Any], path: Any) -> Any:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from specforge.bench.runner import (TEMPERATURE, Report, add_output_arguments, add_temperature_argument,
-                                    bench_command)
+                                    aligned, bench_command)
 from specforge.config import EngineConfig, load_pipeline
 from specforge.engine import Engine, GenerationRequest
 from specforge.evalsets import apply_chat_template, select_prompts
@@ -159,12 +159,9 @@ def table(result: dict[str, Any]) -> str:
                       *(f"{s[p]:.3f}" for p in PARTS), f"{r['round_in_plain_steps']:.2f}",
                       f"{r['overhead_in_plain_steps']:.2f}", f"{r['tau']:.2f}",
                       "-" if r["speedup"] is None else f"{r['speedup']:.2f}"])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    text = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
     m = result["machine"]
     return f"{m['cpu']} ({', '.join(m['flags']) or 'no AVX-512/AMX'}; {m['torch_threads']} threads); parts in plain " \
-           f"decoding steps\n" + "\n".join(text)
+           f"decoding steps\n" + aligned(lines)
 
 
 def plot(result: dict[str, Any], path: str | Path) -> Path:

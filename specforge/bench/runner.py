@@ -27,8 +27,8 @@ from specforge.files import write_atomic
 from specforge.machine import machine_line
 from specforge.resume import UnreadableRecord, read_record, write_record
 
-__all__ = ["TEMPERATURE", "Report", "add_output_arguments", "add_temperature_argument", "bench_command", "finish",
-           "save", "unfinished"]
+__all__ = ["TEMPERATURE", "Report", "add_output_arguments", "add_temperature_argument", "aligned", "bench_command",
+           "finish", "save", "unfinished"]
 
 @dataclass(frozen=True)
 class Report:
@@ -40,6 +40,14 @@ class Report:
     table: Callable[[dict[str, Any]], str]
     table_file: str | None = None
     files: Callable[[dict[str, Any], Path], list[Path]] | None = None
+
+
+def aligned(rows: list[list[str]]) -> str:
+    """``rows`` (the header first) as right-aligned columns, a rule of dashes under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    text = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text)
 
 
 def save(report: Report, result: dict[str, Any], out: str | Path) -> list[Path]:
