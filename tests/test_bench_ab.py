@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from specforge.bench.ab import ARMS, REPORT, ratios, table
+import pytest
+
+from specforge.bench.ab import ARMS, REPORT, own_plain, ratios, table
 from specforge.bench.runner import save
 
 
@@ -19,10 +21,12 @@ def test_help_lists_every_arm():
     for option in ("--arms", "--baseline", "--trials", "--concurrency", "--prompts", "--sharegpt",
                    "--max-new-tokens", "--threads", "--out"):
         assert option in result.stdout
-    engine = {f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in ("plain", "ngram", "ngram-hw")}
+    variants = ("plain", "ngram", "ngram-hw", "ngram-shut")
+    engine = {f"{w}{f}-{v}" for w in ("", "native-") for f in ("eager", "compiled") for v in variants}
     engine |= {f"{a}/{p}" for a in engine for p in ("auto", "float32", "bfloat16")}
     hf = {"hf", "hf/float32", "hf/bfloat16"}
-    assert set(ARMS) == hf | engine | {f"{a}:{kv}" for a in engine for kv in ("model", "float32")}
+    llamacpp = {f"llamacpp-{v}" for v in variants}
+    assert set(ARMS) == hf | engine | {f"{a}:{kv}" for a in engine for kv in ("model", "float32")} | llamacpp
     assert ":float32 suffix" in " ".join(result.stdout.split())
     assert "/PRECISION suffix" in " ".join(result.stdout.split())
 
@@ -82,6 +86,20 @@ def test_ratios_divide_by_the_baseline_of_the_same_trial(tmp_path):
     assert lines[0].split()[:3] == ["arm", "tok/s", "median"] and "÷ hf median" in lines[0]
     assert lines[3].split()[:3] == ["eager-plain", "10.0", "2.00"]
     assert save(REPORT, result, tmp_path)[0].name == "ab-hf-eager-plain-c1.json"
+
+
+def test_a_drafting_arm_is_also_divided_by_its_own_backends_plain_arm():
+    assert own_plain("llamacpp-ngram-shut") == "llamacpp-plain"
+    assert own_plain("eager-ngram-hw/float32:model") == "eager-plain/float32:model"
+    assert own_plain("native-compiled-ngram:float32") == "native-compiled-plain:float32"
+    assert own_plain("eager-plain") == "eager-plain" and own_plain("hf/float32") == "hf/float32"
+    speeds = {"eager-plain": [40.0, 20.0], "llamacpp-plain": [30.0, 30.0], "llamacpp-ngram-shut": [27.0, 30.0]}
+    summary = ratios(speeds, "eager-plain")
+    assert summary["llamacpp-ngram-shut"]["ratio_to_own_plain_median"] == 0.95
+    assert summary["llamacpp-ngram-shut"]["ratio_to_eager-plain_median"] == pytest.approx(1.0875, abs=1e-3)
+    assert "ratio_to_own_plain_median" not in summary["llamacpp-plain"]
+    lines = table({"baseline": "eager-plain", "summary": summary}).splitlines()
+    assert "÷ own plain median" in lines[0] and lines[4].split()[4] == "0.95"
 
 
 def test_the_gated_ngram_arm_pairs_with_plain_and_counts_its_plain_rounds(tmp_path, monkeypatch):

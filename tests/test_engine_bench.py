@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specforge.bench.engine_bench import add_ratios, bench_engine_variant, plot, table
+from specforge.bench.engine_bench import add_ratios, bench_engine_variant, plot, table, variant_engine
+from specforge.engine import GenerationRequest
 from specforge.hardware import HardwareProfile
 from specforge.runtime import TargetModel
 from tiny_models import tiny_model
@@ -35,6 +36,22 @@ def test_ngram_hw_verifies_what_the_step_curve_pays_for():
     fixed = bench_engine_variant(target, prompts, "ngram", 2, 12, progress=False)
     assert hw["extra"]["verified"] == fixed["extra"]["verified"] > 0
     assert hw["extra"]["accepted"] == fixed["extra"]["accepted"]
+
+
+def test_ngram_shut_keeps_almost_every_round_plain():
+    """Drafting priced at ten plain steps a round: after its first drafted round the gate finds
+    drafting never pays and keeps rounds plain, looking again only now and then — the arm whose
+    cost over `plain` is what a pipeline that drafts nothing costs."""
+    target = TargetModel(tiny_model("llama", seed=2, eos=None), None, torch.float32)
+    engine = variant_engine(target, "ngram-shut", 2, 48, HardwareProfile([1.0] * 16))
+    outs = engine.generate([GenerationRequest(prompt_ids=p, max_new_tokens=48, ignore_eos=True)
+                            for p in ([5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11])])
+    assert [len(o.token_ids) for o in outs] == [48, 48]
+    rounds = sum(o.stats.rounds for o in outs) // 2  # both requests decode every round together
+    assert engine.plain_rounds >= rounds - 3 > 0, (engine.plain_rounds, rounds)
+    open_gate = variant_engine(target, "ngram-hw", 2, 48, HardwareProfile([1.0] * 16))
+    open_gate.generate([GenerationRequest(prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6], max_new_tokens=48, ignore_eos=True)])
+    assert open_gate.plain_rounds == 0
 
 
 def test_ngram_hw_needs_a_profile():

@@ -50,8 +50,13 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
     # measured in the same run).  0.4 per position is ngram's acceptance on these sets (τ ≈ 1.5
     # at γ = 5); a constant carries no per-token information, so this is load-awareness only.
     "ngram-hw": ("ngram", {"gamma": 5, "max_ngram": 3, "min_ngram": 1}),
+    # The same again with drafting priced at SHUT_DRAFT_COST plain steps a round: after its first
+    # drafted rounds the draft gate finds drafting never pays and keeps rounds plain, looking again
+    # every 16 … 256 rounds.  What it costs over `plain` is what a pipeline that drafts nothing costs.
+    "ngram-shut": ("ngram", {"gamma": 5, "max_ngram": 3, "min_ngram": 1}),
 }
 HW_CONFIDENCE = 0.4
+SHUT_DRAFT_COST = 10.0
 
 #: llama.cpp running a drafter trained here (``llama-server -md``), system -> drafter method; the
 #: engine runs the same drafter (variants ``<method>``: every block verified whole, as llama.cpp
@@ -65,17 +70,20 @@ def variant_engine(target: TargetModel, variant: str, concurrency: int, max_new_
                    profile: HardwareProfile | None = None) -> Engine:
     """The engine one of :data:`ENGINE_VARIANTS` decodes with: at the benches' temperature (greedy,
     as HF ``generate`` and vLLM here), ``concurrency`` requests at a time, ``max_new_tokens`` each by
-    default (``profile``: the step curve of the ``-hw`` variants)."""
+    default (``profile``: the step curve of the ``-hw`` and ``-shut`` variants)."""
     host = get_host()
     spec = ENGINE_VARIANTS[variant]
     parts: dict[str, Any] = {}
     if spec is not None:
-        if variant.endswith("-hw"):
+        if variant.endswith(("-hw", "-shut")):
             if profile is None:
                 raise ValueError(f"variant {variant!r} needs a hardware profile")
             # Dense up to the largest measured B; beyond it the inline curve extrapolates the same way.
             largest = profile.points()[-1][0]
-            scheduler = ("hw-prefix", {"sps": [profile.sps(b) for b in range(1, largest + 1)]})
+            hw: dict[str, Any] = {"sps": [profile.sps(b) for b in range(1, largest + 1)]}
+            if variant.endswith("-shut"):
+                hw["draft_cost"] = SHUT_DRAFT_COST
+            scheduler = ("hw-prefix", hw)
             confidence = {"value": HW_CONFIDENCE}
         else:
             scheduler, confidence = ("fixed", {}), {}
