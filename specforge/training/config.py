@@ -108,6 +108,8 @@ class ScheduleConfig(_Section):
 class BatchConfig(_Section):
     sequences: int = Field(8, ge=1, description="sequences per optimizer step (global, over all ranks)")
     anchors: int = Field(16, ge=1, description="anchors (draft blocks) sampled per sequence")
+    memory_check: bool = Field(True, description="before the first step, measure what a step takes on a CPU and "
+                                                 "refuse one that would not fit in the memory available")
 
 
 class OutputConfig(_Section):

@@ -19,12 +19,13 @@ One step on a global batch of ``batch.sequences`` sequences (rank r takes sequen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -244,16 +245,22 @@ class Trainer:
                           ctx_valid=ctx_valid.to(dev), ctx_index=packed.block_seq.to(dev), p_t=p_t,
                           ctx_ids=nn.utils.rnn.pad_sequence([f.input_ids for f in feats], batch_first=True).to(dev))
 
+    @contextlib.contextmanager
+    def forward_context(self, train: bool) -> Iterator[None]:
+        """How the drafter's forward runs: gradients when ``train``, bfloat16 autocast where chosen."""
+        amp = torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+        with torch.set_grad_enabled(train), amp, warnings.catch_warnings():
+            # Under autocast RMSNorm gets bf16 activations and fp32 weights: correct, just unfused.
+            warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+            yield
+
     def _loss(self, indices: Sequence[int], epoch: int, train: bool) -> dict[str, float]:
         """Forward (and backward when ``train``) on this rank's share of ``indices``; global metrics."""
         c, dist = self.config, self.dist
         mine = list(indices)[dist.rank::dist.world]
         feats = self.source.get(mine) if mine else []
         batch = self._inputs(feats, anchors_for(feats, c.batch.anchors, c.seed, epoch)) if feats else None
-        amp = torch.autocast(dist.device.type, dtype=torch.bfloat16, enabled=self.bf16)
-        with torch.set_grad_enabled(train), amp, warnings.catch_warnings():
-            # Under autocast RMSNorm gets bf16 activations and fp32 weights: correct, just unfused.
-            warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+        with self.forward_context(train):
             out = self.model(batch)
         if batch is None:
             loss_local, res = out, empty_loss(self.method.metrics, self.needs.block, dist.device)
@@ -340,6 +347,12 @@ class Trainer:
         c = self.config
         from tqdm.auto import tqdm
 
+        if c.batch.memory_check and self.step < self.total_steps:
+            from specforge.training.memory import check_step_memory
+
+            memory = check_step_memory(self)  # a step that would not fit: refused here, not killed later
+            if memory is not None:
+                self.log(memory.summary())
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", desc="train", dynamic_ncols=True,
                    disable=not (c.output.progress and self.dist.is_main))
         done = 0

@@ -1,0 +1,165 @@
+"""Whether one training step fits in this machine's memory, measured before the first step.
+
+A step's peak memory grows with the draft blocks it trains (``batch.sequences`` × ``batch.anchors``
+per rank): per block slot the teacher's law over the target's whole vocabulary, the drafter's
+logits and their gradients, attention over the sequence's context.  On a CPU a step that does not
+fit is ended by the kernel's OOM killer — no exception, no message, the run just dies (256 anchors
+× 8 sequences of 512 tokens took 17.7 GB on a 23 GB machine).  So before the first step the trainer
+measures: forward and backward (no optimizer update) on the first batch's own sequences at two
+small anchor counts, the process's peak resident memory read after each (Linux: ``VmHWM`` of
+``/proc/self/status``, reset through ``/proc/self/clear_refs``), a straight line through the two
+over the number of blocks, extrapolated to the configured step and compared with what the kernel
+reports available (``MemAvailable``).  A step that would not fit is refused with one line naming
+``batch.anchors`` and ``batch.sequences`` and the largest anchor count that fits.
+
+Where the kernel offers no peak to reset (not Linux) or the drafter trains on a GPU (whose own
+out-of-memory error is clear), nothing is measured.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["StepMemory", "check_step_memory", "largest_fitting", "measure_step_memory", "memory_available",
+           "peak_resident"]
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_MEMINFO = Path("/proc/meminfo")
+GiB = 1 << 30
+
+
+def _kib(text: str, key: str) -> int | None:
+    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
+    return None if match is None else int(match.group(1)) * 1024
+
+
+def peak_resident(reset: bool = False) -> int | None:
+    """The process's peak resident bytes since the last reset (``reset``: start a new peak at the
+    current size first); None where the kernel does not offer it."""
+    try:
+        if reset:
+            _CLEAR_REFS.write_text("5")  # 5: reset the peak resident set size (proc(5))
+        return _kib(_STATUS.read_text(), "VmHWM")
+    except OSError:
+        return None
+
+
+def memory_available() -> int | None:
+    """Bytes the kernel says a process can still allocate without swapping (``MemAvailable``)."""
+    try:
+        return _kib(_MEMINFO.read_text(), "MemAvailable")
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """The measured line: bytes a step takes above the resident size before it, at ``blocks``."""
+
+    blocks: tuple[int, int]
+    peaks: tuple[int, int]
+    step_blocks: int
+    available: int
+
+    @property
+    def per_block(self) -> float:
+        return max(0.0, (self.peaks[1] - self.peaks[0]) / max(1, self.blocks[1] - self.blocks[0]))
+
+    def at(self, blocks: int) -> float:
+        return self.peaks[1] + self.per_block * (blocks - self.blocks[1])
+
+    @property
+    def needed(self) -> float:
+        return self.at(self.step_blocks)
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.available
+
+    def summary(self) -> str:
+        return (f"one training step ≈ {self.needed / GiB:.1f} GiB above what is resident "
+                f"({self.step_blocks} draft blocks, {self.per_block / (1 << 20):.2f} MiB each, measured on "
+                f"{self.blocks[0]} and {self.blocks[1]}); {self.available / GiB:.1f} GiB available")
+
+
+def measure_step_memory(probe: Callable[[int], int], anchors: int, blocks_at: Callable[[int], int]) -> StepMemory | None:
+    """``probe(a)`` runs forward and backward at ``a`` anchors per sequence and returns its number
+    of blocks; ``blocks_at(a)`` counts them without running.  None where nothing can be measured
+    or the configured step is no bigger than a probe (it then fits: the probe ran)."""
+    if peak_resident() is None or memory_available() is None:
+        return None
+    small = max(1, min(anchors // 8, 8))
+    if blocks_at(anchors) <= blocks_at(2 * small):
+        return None
+    probe(small)  # warm-up: gradient buffers and the autograd's first allocations stay resident
+    blocks, peaks = [], []
+    for a in (small, 2 * small):
+        base = peak_resident(reset=True)
+        n = probe(a)
+        peak = peak_resident()
+        if base is None or peak is None:
+            return None
+        blocks.append(n)
+        peaks.append(peak - base)
+    available = memory_available()
+    if available is None:
+        return None
+    return StepMemory((blocks[0], blocks[1]), (peaks[0], peaks[1]), blocks_at(anchors), available)
+
+
+def largest_fitting(memory: StepMemory, blocks_at: Callable[[int], int], anchors: int) -> int:
+    """The largest anchor count ≤ ``anchors`` whose step the measured line fits (0: none)."""
+    lo, hi = 0, anchors
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if memory.at(blocks_at(mid)) <= memory.available:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def check_step_memory(trainer: Any) -> StepMemory | None:
+    """Measure the trainer's step (:func:`measure_step_memory`) on its first batch; raise
+    :class:`~specforge.training.config.TrainConfigError` when it would not fit, naming the keys."""
+    from specforge.training.config import TrainConfigError
+    from specforge.training.data import anchors_for
+
+    c = trainer.config
+    if trainer.dist.device.type != "cpu":
+        return None
+    mine = trainer.global_batch(trainer.epoch, trainer.batch_index)[trainer.dist.rank::trainer.dist.world]
+    feats = trainer.source.get(mine) if mine else []
+    if not feats:
+        return None
+
+    def blocks_at(a: int) -> int:
+        return sum(len(x) for x in anchors_for(feats, a, c.seed, trainer.epoch))
+
+    def probe(a: int) -> int:
+        batch = trainer._inputs(feats, anchors_for(feats, a, c.seed, trainer.epoch))
+        if batch is None:
+            return 0
+        trainer.module.train()
+        with trainer.forward_context(train=True):
+            out = trainer.module(batch)  # the bare module: no gradient all-reduce across ranks
+        # The eager loss: a compiled one fuses its passes and takes no more memory than this.
+        trainer.method.loss(out, batch).total.backward()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return int(batch.valid.shape[0])
+
+    memory = measure_step_memory(probe, c.batch.anchors, blocks_at)
+    if memory is not None and not memory.fits:
+        fit = largest_fitting(memory, blocks_at, c.batch.anchors)
+        advice = (f"batch.anchors={fit} fits" if fit else "no anchor count fits with these sequences: "
+                  "lower batch.sequences or data.max_length")
+        sequences = len(feats) if trainer.dist.world == 1 else f"{len(feats)} on this rank"
+        raise TrainConfigError([
+            f"batch.anchors={c.batch.anchors} × batch.sequences={sequences}: {memory.summary()} — the step "
+            f"would not fit and the kernel would kill the run; {advice} (or lower batch.sequences)"])
+    return memory
