@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine", "machine_key", "machine_line", "native_float16"]
+__all__ = ["machine", "machine_key", "machine_line", "memory_available", "native_float16"]
 
 _FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
 
@@ -81,3 +81,16 @@ def native_float16() -> bool:
     which is never faster than float32 and rounds like a narrower type."""
     _, flags = _cpuinfo()
     return _capability().upper().startswith("AVX512") and bool({"avx512_fp16", "amx_fp16"} & flags)
+
+
+def memory_available() -> int | None:
+    """Bytes the kernel says can still be allocated without swapping (Linux's ``MemAvailable``);
+    None where it does not say."""
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None

@@ -345,3 +345,21 @@ def test_a_stream_holds_back_the_longest_tail_that_begins_a_stop_string():
     assert stop_prefix_length("the end", ["end.", "d"]) == 3  # "end" begins "end."; "d" is whole
     assert stop_prefix_length("abc", ["xyz"]) == 0 and stop_prefix_length("", ["a"]) == 0
     assert stop_prefix_length("aaa", ["aaab"]) == 3 and stop_prefix_length("ab", ["b", "bc"]) == 1
+
+
+def test_a_cache_that_could_outgrow_the_memory_is_refused_naming_max_batch(host, monkeypatch):
+    """A torch cache's pages are touched as it fills: too big a one would be killed mid-run with no
+    message, so the engine refuses it up front, naming the keys and the largest max_batch that fits."""
+    from specforge.engine import engine as engine_mod
+    from specforge.errors import ConfigError
+
+    target = TargetModel(tiny_model("llama", seed=0), None, torch.float32)
+    per_slot = target.cache_bytes(1, 64)
+    a = target.runtime.args
+    assert per_slot == 2 * a.n_layers * a.n_kv_heads * 64 * a.head_dim * target.runtime.cache_dtype().itemsize
+    monkeypatch.setattr(engine_mod, "memory_available", lambda: 5 * per_slot)  # a machine with room for 5 slots
+    with pytest.raises(ConfigError) as err:
+        Engine(target, host.create_verifier("greedy"), engine=EngineConfig(max_batch=8, max_context=64))
+    assert "engine.max_batch=8" in str(err.value) and "≤ 5 fits" in str(err.value), err.value
+    assert "engine.max_context" in str(err.value)
+    Engine(target, host.create_verifier("greedy"), engine=EngineConfig(max_batch=5, max_context=64))

@@ -386,3 +386,11 @@ def test_conformance_certifies_a_combination_on_llama_cpp_and_still_rejects_a_co
     assert not certified.failed and certified.verified > 0, certified.rejected()
     assert caught.rejected(), {k: f.p_value for k, f in caught.tests.items()}
     assert sampling_target(clean.reference).backend.name == "torch"  # outside the block: torch again
+
+
+def test_the_cache_size_is_llamacpps_own_up_front_allocation(backend):
+    """float16 K and V for every layer (SmolLM2: 3 KV heads × 64), capped at MAX_CELLS cells."""
+    from specforge.runtime.llamacpp.backend import MAX_CELLS
+
+    assert backend.cache_bytes(2, 256) == 512 * 30 * 2 * 3 * 64 * 2
+    assert backend.cache_bytes(4096, 4096) == MAX_CELLS * 30 * 2 * 3 * 64 * 2

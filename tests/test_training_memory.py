@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from specforge import machine
 from specforge.training import memory
 from specforge.training.config import TrainConfigError
 from specforge.training.memory import StepMemory, largest_fitting
@@ -33,7 +34,7 @@ def test_a_step_that_would_not_fit_is_refused_naming_the_keys_and_nothing_is_wri
     config.batch.anchors = 64
     logs = []
     trainer = Trainer(config, target=target, source=tiny_source(target), log=logs.append)
-    monkeypatch.setattr(memory, "memory_available", lambda: 1 << 16)  # a machine with 64 KiB left
+    monkeypatch.setattr(machine, "memory_available", lambda: 1 << 16)  # a machine with 64 KiB left
     with pytest.raises(TrainConfigError) as err:
         trainer.train()
     message = str(err.value)

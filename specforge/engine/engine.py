@@ -52,6 +52,7 @@ from specforge.engine.request import (
 )
 from specforge.engine.stops import apply_token_stops, find_stop_string, stop_prefix_length
 from specforge.errors import ConfigError
+from specforge.machine import memory_available
 from specforge.protocols import DraftCostAware, DraftGate, ObservesRounds
 from specforge.registry import ComponentKind
 from specforge.sampling import NonFiniteError, SamplingParams, draw_uniforms, sampling_problem
@@ -132,6 +133,7 @@ class Engine:
         # After the taps are known, before a cache is allocated: a backend decided without them
         # (load_target(needs=…) not told) that cannot extract them says so here.
         target.require(Needs(self.taps))
+        _check_cache_fits(target, self.config.max_batch, self.context_limit)
         self.cache = target.new_cache(self.config.max_batch, self.context_limit)
         self._queue: deque[tuple[int, GenerationRequest]] = deque()
         self._active: list[_Active] = []  # decoding
@@ -592,3 +594,22 @@ def _prefill_chunk(setting: int | str, target: TargetModel) -> float:
 def _stack_taps(taps: dict[int, Tensor], layers: tuple[int, ...]) -> Tensor:
     """``{layer: [N, d]}`` → ``[N, m, d]`` in ``layers`` order."""
     return torch.stack([taps[i] for i in layers], dim=1)
+
+
+def _check_cache_fits(target: TargetModel, slots: int, positions: int) -> None:
+    """Refuse a cache that could outgrow the memory available, naming the keys that size it.
+
+    The torch cache's pages are touched only as requests fill it, so a cache too big for the
+    machine would not fail here but hours later, when the kernel's OOM killer ends the process
+    with no message; llama.cpp allocates its cells up front and would fail with less to say."""
+    need, free = target.cache_bytes(slots, positions), memory_available()
+    if free is None or need <= free:
+        return
+    lo, hi = 0, slots  # the most slots whose cache fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if target.cache_bytes(mid, positions) <= free else (lo, mid - 1)
+    gib = 1 << 30
+    raise ConfigError([f"engine.max_batch={slots} × {positions} positions (engine.max_context): the KV cache can "
+                       f"grow to {need / gib:.1f} GiB, and {free / gib:.1f} GiB are available — lower "
+                       f"engine.max_batch (≤ {lo} fits) or engine.max_context"])

@@ -56,6 +56,10 @@ class TargetBackend(Protocol):
 
     def new_cache(self, slots: int, capacity: int) -> Any: ...
 
+    def cache_bytes(self, slots: int, capacity: int) -> int:
+        """The most memory a cache of ``slots`` × ``capacity`` positions can take (its K/V when full)."""
+        ...
+
     def forward(self, batch: VarlenBatch, cache: Any, logits_rows: Tensor | None = None,
                 taps: tuple[int, ...] = ()) -> ForwardOutput: ...
 

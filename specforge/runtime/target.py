@@ -160,6 +160,10 @@ class TargetModel:
         """A cache of ``slots`` requests × ``capacity`` positions for this target's backend."""
         return self.backend.new_cache(slots, capacity)
 
+    def cache_bytes(self, slots: int, capacity: int) -> int:
+        """The most memory such a cache can take (:meth:`TargetBackend.cache_bytes`)."""
+        return self.backend.cache_bytes(slots, capacity)
+
     @torch.inference_mode()
     def forward(self, batch: VarlenBatch, cache: SlotTable, logits_rows: Tensor | None = None,
                 taps: tuple[int, ...] = ()) -> ForwardOutput:

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StepMemory", "check_step_memory", "largest_fitting", "measure_step_memory", "memory_available",
-           "peak_resident"]
+from specforge import machine
+
+__all__ = ["StepMemory", "check_step_memory", "largest_fitting", "measure_step_memory", "peak_resident"]
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
-_MEMINFO = Path("/proc/meminfo")
 GiB = 1 << 30
 
 
@@ -45,14 +45,6 @@ def peak_resident(reset: bool = False) -> int | None:
         if reset:
             _CLEAR_REFS.write_text("5")  # 5: reset the peak resident set size (proc(5))
         return _kib(_STATUS.read_text(), "VmHWM")
-    except OSError:
-        return None
-
-
-def memory_available() -> int | None:
-    """Bytes the kernel says a process can still allocate without swapping (``MemAvailable``)."""
-    try:
-        return _kib(_MEMINFO.read_text(), "MemAvailable")
     except OSError:
         return None
 
@@ -91,7 +83,7 @@ def measure_step_memory(probe: Callable[[int], int], anchors: int, blocks_at: Ca
     """``probe(a)`` runs forward and backward at ``a`` anchors per sequence and returns its number
     of blocks; ``blocks_at(a)`` counts them without running.  None where nothing can be measured
     or the configured step is no bigger than a probe (it then fits: the probe ran)."""
-    if peak_resident() is None or memory_available() is None:
+    if peak_resident() is None or machine.memory_available() is None:
         return None
     small = max(1, min(anchors // 8, 8))
     if blocks_at(anchors) <= blocks_at(2 * small):
@@ -106,7 +98,7 @@ def measure_step_memory(probe: Callable[[int], int], anchors: int, blocks_at: Ca
             return None
         blocks.append(n)
         peaks.append(peak - base)
-    available = memory_available()
+    available = machine.memory_available()
     if available is None:
         return None
     return StepMemory((blocks[0], blocks[1]), (peaks[0], peaks[1]), blocks_at(anchors), available)

@@ -237,6 +237,13 @@ class LlamaCppBackend:
     def new_cache(self, slots: int, capacity: int) -> LlamaCppCache:
         return LlamaCppCache(self, slots, capacity)
 
+    def cache_bytes(self, slots: int, capacity: int) -> int:
+        """llama.cpp allocates its context's cells up front: K and V in float16 (its default type)
+        for every layer, at most :data:`MAX_CELLS` of them."""
+        api = self.binding.api
+        kv_width = api.llama_model_n_head_kv(self.model) * (self.dim // api.llama_model_n_head(self.model))
+        return min(slots * capacity, MAX_CELLS) * self.n_layers * 2 * kv_width * 2
+
     def forward(self, batch: VarlenBatch, cache: LlamaCppCache, logits_rows: Tensor | None = None,
                 taps: tuple[int, ...] = ()) -> ForwardOutput:
         """One engine pass.  A pass of prompt tokens alone (no logits, no taps) is held, not

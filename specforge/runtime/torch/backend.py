@@ -59,6 +59,11 @@ class TorchBackend:
         another precision casts its q/k/v to it)."""
         return self.runtime.new_cache(slots, capacity)
 
+    def cache_bytes(self, slots: int, capacity: int) -> int:
+        """K and V of every layer at every position (the cache's pages are touched as it fills)."""
+        a, itemsize = self.runtime.args, self.runtime.cache_dtype().itemsize
+        return 2 * a.n_layers * slots * a.n_kv_heads * capacity * a.head_dim * itemsize
+
     def lacks(self, needs: Needs) -> str | None:
         """Nothing: every layer's output and the final hidden state come out of each pass."""
         return None
