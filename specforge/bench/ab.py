@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from specforge.bench.engine_bench import variant_engine
+from specforge.bench.engine_bench import bench_context, variant_engine
 from specforge.bench.hf_baseline import load_smollm2, run_generate
 from specforge.bench.runner import Report, add_output_arguments, bench_command
 from specforge.bench.serving import prompt_mix
@@ -113,14 +113,8 @@ class _Arms:
                 if not target.compile():
                     raise ABError("torch.compile is not available here (no C++ compiler)")
                 self.trunks[key] = target.trunks
-        self.engines = {}
-        for a in engine_arms:
-            base, precision, kv = _parts(a)
-            target = self.targets[_target_key(a)]
-            target.runtime.kv_dtype = kv or "auto"  # read when the engine allocates its cache
-            variant = base.removeprefix("native-").split("-", 1)[1]
-            profile = machine_profile(target) if variant.endswith(("-hw", "-shut")) else None
-            self.engines[a] = variant_engine(target, variant, concurrency, max_new_tokens, profile)
+        self.engine_arms, self.concurrency, self.max_new_tokens = engine_arms, concurrency, max_new_tokens
+        self.engines: dict[str, Any] = {}
         self.hf_models: dict[str, Any] = {}
         self.pad_id = 0
         hf_precisions = {_parts(a)[1] for a in arms if _parts(a)[0] == "hf"}
@@ -130,6 +124,17 @@ class _Arms:
             # Module.to works in place: each precision its own copy
             self.hf_models = {p: model if p == "float32" else copy.deepcopy(model).to(getattr(torch, p))
                               for p in sorted(hf_precisions)}
+
+    def build_engines(self, prompts: Sequence[Sequence[int]]) -> None:
+        """An engine per engine arm, its KV cache sized for ``prompts`` (:func:`bench_context`)."""
+        context = bench_context(prompts, self.max_new_tokens)
+        for a in self.engine_arms:
+            base, _, kv = _parts(a)
+            target = self.targets[_target_key(a)]
+            target.runtime.kv_dtype = kv or "auto"  # read when the engine allocates its cache
+            variant = base.removeprefix("native-").split("-", 1)[1]
+            profile = machine_profile(target) if variant.endswith(("-hw", "-shut")) else None
+            self.engines[a] = variant_engine(target, variant, self.concurrency, self.max_new_tokens, profile, context)
 
     def speed(self, arm: str, batch: list[list[int]], tokens: int) -> float:
         """Tokens per second of ``arm`` decoding ``batch`` for ``tokens`` tokens each."""
@@ -171,6 +176,7 @@ def run_ab(
     if sharegpt:  # long real contexts, interleaved so that every trial's batch mixes both
         turns = prompt_mix(setup.tokenizer, [], 0, sharegpt)
         ids = [x for pair in zip_longest(ids, turns) for x in pair if x is not None]
+    setup.build_engines(ids)
 
     def batch(first: int) -> list[list[int]]:
         return [ids[(first + j) % len(ids)] for j in range(c)]

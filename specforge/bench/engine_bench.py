@@ -38,7 +38,7 @@ from specforge.toolkit.step_curve import DEFAULT_BATCHES, measure_sps
 from specforge.runtime import TargetModel, load_target
 from specforge.runtime.target import DTYPES
 
-__all__ = ["COMMAND", "ENGINE_VARIANTS", "REPORT", "bench_engine_variant", "run_engine_benchmark", "table", "plot",
+__all__ = ["COMMAND", "ENGINE_VARIANTS", "REPORT", "bench_context", "bench_engine_variant", "run_engine_benchmark", "table", "plot",
            "variant_engine"]
 
 # variant -> drafter (name, config) or None for plain decoding
@@ -67,10 +67,11 @@ DEFAULT_DRAFTERS: dict[str, str | None] = {"dspark": "shipped:smollm2-135m-instr
 
 
 def variant_engine(target: TargetModel, variant: str, concurrency: int, max_new_tokens: int,
-                   profile: HardwareProfile | None = None) -> Engine:
+                   profile: HardwareProfile | None = None, max_context: int = 4096) -> Engine:
     """The engine one of :data:`ENGINE_VARIANTS` decodes with: at the benches' temperature (greedy,
     as HF ``generate`` and vLLM here), ``concurrency`` requests at a time, ``max_new_tokens`` each by
-    default (``profile``: the step curve of the ``-hw`` and ``-shut`` variants)."""
+    default (``profile``: the step curve of the ``-hw`` and ``-shut`` variants; ``max_context``:
+    the positions a request may reach, which with ``concurrency`` sizes the KV cache)."""
     host = get_host()
     spec = ENGINE_VARIANTS[variant]
     parts: dict[str, Any] = {}
@@ -92,8 +93,14 @@ def variant_engine(target: TargetModel, variant: str, concurrency: int, max_new_
     return Engine(
         target, host.create_verifier("greedy"), **parts,
         sampling=SamplingConfig(temperature=TEMPERATURE, max_new_tokens=max_new_tokens),
-        engine=EngineConfig(max_batch=concurrency, max_context=4096),
+        engine=EngineConfig(max_batch=concurrency, max_context=max_context),
     )
+
+
+def bench_context(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """The positions a bench's request can reach: its longest prompt, its new tokens and a
+    block of drafts past them — the cache a bench needs, not the 4,096 a server would keep."""
+    return max(map(len, prompt_ids), default=0) + max_new_tokens + 16
 
 
 def bench_engine_variant(
@@ -114,12 +121,13 @@ def bench_engine_variant(
     from tqdm.auto import tqdm
 
     system = _system(target)
+    context = bench_context(prompt_ids, max(max_new_tokens, warmup_tokens))
     if pipeline is None:
-        engine = variant_engine(target, variant, concurrency, max_new_tokens, profile)
+        engine = variant_engine(target, variant, concurrency, max_new_tokens, profile, context)
     else:
         engine = Engine.from_pipeline(replace(
             pipeline, sampling=SamplingConfig(temperature=TEMPERATURE, max_new_tokens=max_new_tokens),
-            engine=EngineConfig(max_batch=concurrency, max_context=4096)), target)
+            engine=EngineConfig(max_batch=concurrency, max_context=context)), target)
     plan = rounds_for(len(prompt_ids), concurrency, min_rounds)
 
     def requests(indices: Sequence[int], n: int) -> list[GenerationRequest]:
