@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine", "machine_key", "machine_line", "memory_available", "native_float16"]
+__all__ = ["GiB", "machine", "machine_key", "machine_line", "memory_available", "native_float16", "peak_resident"]
 
 _FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
 
@@ -83,14 +83,33 @@ def native_float16() -> bool:
     return _capability().upper().startswith("AVX512") and bool({"avx512_fp16", "amx_fp16"} & flags)
 
 
-def memory_available() -> int | None:
-    """Bytes the kernel says can still be allocated without swapping (Linux's ``MemAvailable``);
-    None where it does not say."""
+GiB = 1 << 30
+
+
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A ``Key:  N kB`` field of a Linux /proc file, in bytes; None where there is none."""
     try:
-        text = Path("/proc/meminfo").read_text()
+        text = Path(path).read_text()
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith("MemAvailable:"):
+        if line.startswith(f"{key}:"):
             return int(line.split()[1]) * 1024
     return None
+
+
+def memory_available() -> int | None:
+    """Bytes the kernel says can still be allocated without swapping (Linux's ``MemAvailable``);
+    None where it does not say."""
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
+
+
+def peak_resident(reset: bool = False) -> int | None:
+    """This process's peak resident bytes since the last reset (``reset``: start a new peak at the
+    current size first; Linux's ``VmHWM``); None where the kernel does not offer it."""
+    if reset:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set size (proc(5))
+        except OSError:
+            return None
+    return _proc_bytes("/proc/self/status", "VmHWM")

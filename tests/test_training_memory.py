@@ -8,13 +8,12 @@ import sys
 import pytest
 
 from specforge import machine
-from specforge.training import memory
 from specforge.training.config import TrainConfigError
 from specforge.training.memory import StepMemory, largest_fitting
 from specforge.training.trainer import Trainer
 from train_fixtures import one_thread, tiny_config, tiny_source, tiny_target  # noqa: F401 - fixture
 
-linux = pytest.mark.skipif(not sys.platform.startswith("linux") or memory.peak_resident() is None,
+linux = pytest.mark.skipif(not sys.platform.startswith("linux") or machine.peak_resident() is None,
                            reason="the peak resident size is read from Linux's /proc")
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from specforge.bench.engine_bench import bench_context, variant_engine
+from specforge.bench.engine_bench import bench_context, needs_profile, variant_engine
 from specforge.bench.hf_baseline import load_smollm2, run_generate
 from specforge.bench.runner import Report, add_output_arguments, bench_command
 from specforge.bench.serving import prompt_mix
@@ -133,7 +133,7 @@ class _Arms:
             target = self.targets[_target_key(a)]
             target.runtime.kv_dtype = kv or "auto"  # read when the engine allocates its cache
             variant = base.removeprefix("native-").split("-", 1)[1]
-            profile = machine_profile(target) if variant.endswith(("-hw", "-shut")) else None
+            profile = machine_profile(target) if needs_profile(variant) else None
             self.engines[a] = variant_engine(target, variant, self.concurrency, self.max_new_tokens, profile, context)
 
     def speed(self, arm: str, batch: list[list[int]], tokens: int) -> float:
@@ -287,8 +287,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     and divides each arm's tokens/s by the baseline arm's in the same trial, so the machine's drift
     mostly cancels; reports the median and quartiles of those ratios.  Arms: hf (HF generate) and
     {eager,compiled}-{plain,ngram,ngram-hw,ngram-shut} of the engine (ngram-shut: a draft gate
-    that keeps almost every round plain), llamacpp-… the same on the llama.cpp backend; a native- prefix runs the engine arm on the GGUF's
-    4-bit blocks, a /PRECISION suffix (auto, float32, bfloat16) in that precision (default: auto for
+    that keeps almost every round plain), llamacpp-… the same on the llama.cpp backend; a native-
+    prefix runs the engine arm on the GGUF's 4-bit blocks, a /PRECISION suffix (auto, float32, bfloat16) in that precision (default: auto for
     the engine, bfloat16 for hf), a :model or :float32 suffix with that KV-cache dtype (default:
     auto's choice on this machine).
     """

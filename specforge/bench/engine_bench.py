@@ -38,8 +38,8 @@ from specforge.toolkit.step_curve import DEFAULT_BATCHES, measure_sps
 from specforge.runtime import TargetModel, load_target
 from specforge.runtime.target import DTYPES
 
-__all__ = ["COMMAND", "ENGINE_VARIANTS", "REPORT", "bench_context", "bench_engine_variant", "run_engine_benchmark", "table", "plot",
-           "variant_engine"]
+__all__ = ["COMMAND", "ENGINE_VARIANTS", "REPORT", "bench_context", "bench_engine_variant", "needs_profile",
+           "run_engine_benchmark", "table", "plot", "variant_engine"]
 
 # variant -> drafter (name, config) or None for plain decoding
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
@@ -57,6 +57,11 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
 }
 HW_CONFIDENCE = 0.4
 SHUT_DRAFT_COST = 10.0
+
+
+def needs_profile(variant: str) -> bool:
+    """Whether a variant schedules with a step curve (the hardware-aware ``-hw`` and ``-shut``)."""
+    return variant.endswith(("-hw", "-shut"))
 
 #: llama.cpp running a drafter trained here (``llama-server -md``), system -> drafter method; the
 #: engine runs the same drafter (variants ``<method>``: every block verified whole, as llama.cpp
@@ -76,7 +81,7 @@ def variant_engine(target: TargetModel, variant: str, concurrency: int, max_new_
     spec = ENGINE_VARIANTS[variant]
     parts: dict[str, Any] = {}
     if spec is not None:
-        if variant.endswith(("-hw", "-shut")):
+        if needs_profile(variant):
             if profile is None:
                 raise ValueError(f"variant {variant!r} needs a hardware profile")
             # Dense up to the largest measured B; beyond it the inline curve extrapolates the same way.

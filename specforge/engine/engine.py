@@ -28,6 +28,7 @@ own.  A request decodes from the round after its last chunk.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import time
@@ -52,7 +53,7 @@ from specforge.engine.request import (
 )
 from specforge.engine.stops import apply_token_stops, find_stop_string, stop_prefix_length
 from specforge.errors import ConfigError
-from specforge.machine import memory_available
+from specforge.machine import GiB, memory_available
 from specforge.protocols import DraftCostAware, DraftGate, ObservesRounds
 from specforge.registry import ComponentKind
 from specforge.sampling import NonFiniteError, SamplingParams, draw_uniforms, sampling_problem
@@ -605,11 +606,7 @@ def _check_cache_fits(target: TargetModel, slots: int, positions: int) -> None:
     need, free = target.cache_bytes(slots, positions), memory_available()
     if free is None or need <= free:
         return
-    lo, hi = 0, slots  # the most slots whose cache fits
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if target.cache_bytes(mid, positions) <= free else (lo, mid - 1)
-    gib = 1 << 30
+    fits = bisect.bisect_left(range(1, slots + 1), True, key=lambda n: target.cache_bytes(n, positions) > free)
     raise ConfigError([f"engine.max_batch={slots} × {positions} positions (engine.max_context): the KV cache can "
-                       f"grow to {need / gib:.1f} GiB, and {free / gib:.1f} GiB are available — lower "
-                       f"engine.max_batch (≤ {lo} fits) or engine.max_context"])
+                       f"grow to {need / GiB:.1f} GiB, and {free / GiB:.1f} GiB are available — lower "
+                       f"engine.max_batch (≤ {fits} fits) or engine.max_context"])

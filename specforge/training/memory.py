@@ -18,35 +18,15 @@ out-of-memory error is clear), nothing is measured.
 
 from __future__ import annotations
 
-import re
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from specforge import machine
+from specforge.machine import GiB
 
-__all__ = ["StepMemory", "check_step_memory", "largest_fitting", "measure_step_memory", "peak_resident"]
-
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
-GiB = 1 << 30
-
-
-def _kib(text: str, key: str) -> int | None:
-    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
-    return None if match is None else int(match.group(1)) * 1024
-
-
-def peak_resident(reset: bool = False) -> int | None:
-    """The process's peak resident bytes since the last reset (``reset``: start a new peak at the
-    current size first); None where the kernel does not offer it."""
-    try:
-        if reset:
-            _CLEAR_REFS.write_text("5")  # 5: reset the peak resident set size (proc(5))
-        return _kib(_STATUS.read_text(), "VmHWM")
-    except OSError:
-        return None
+__all__ = ["StepMemory", "check_step_memory", "largest_fitting", "measure_step_memory"]
 
 
 @dataclass(frozen=True)
@@ -79,11 +59,12 @@ class StepMemory:
                 f"{self.blocks[0]} and {self.blocks[1]}); {self.available / GiB:.1f} GiB available")
 
 
-def measure_step_memory(probe: Callable[[int], int], anchors: int, blocks_at: Callable[[int], int]) -> StepMemory | None:
+def measure_step_memory(probe: Callable[[int], int], anchors: int,
+                        blocks_at: Callable[[int], int]) -> StepMemory | None:
     """``probe(a)`` runs forward and backward at ``a`` anchors per sequence and returns its number
     of blocks; ``blocks_at(a)`` counts them without running.  None where nothing can be measured
     or the configured step is no bigger than a probe (it then fits: the probe ran)."""
-    if peak_resident() is None or machine.memory_available() is None:
+    if machine.peak_resident() is None or machine.memory_available() is None:
         return None
     small = max(1, min(anchors // 8, 8))
     if blocks_at(anchors) <= blocks_at(2 * small):
@@ -91,29 +72,15 @@ def measure_step_memory(probe: Callable[[int], int], anchors: int, blocks_at: Ca
     probe(small)  # warm-up: gradient buffers and the autograd's first allocations stay resident
     blocks, peaks = [], []
     for a in (small, 2 * small):
-        base = peak_resident(reset=True)
-        n = probe(a)
-        peak = peak_resident()
-        if base is None or peak is None:
-            return None
-        blocks.append(n)
-        peaks.append(peak - base)
-    available = machine.memory_available()
-    if available is None:
-        return None
-    return StepMemory((blocks[0], blocks[1]), (peaks[0], peaks[1]), blocks_at(anchors), available)
+        base = machine.peak_resident(reset=True)
+        blocks.append(probe(a))
+        peaks.append(machine.peak_resident() - base)
+    return StepMemory((blocks[0], blocks[1]), (peaks[0], peaks[1]), blocks_at(anchors), machine.memory_available())
 
 
 def largest_fitting(memory: StepMemory, blocks_at: Callable[[int], int], anchors: int) -> int:
     """The largest anchor count ≤ ``anchors`` whose step the measured line fits (0: none)."""
-    lo, hi = 0, anchors
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if memory.at(blocks_at(mid)) <= memory.available:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return bisect.bisect_left(range(1, anchors + 1), True, key=lambda a: memory.at(blocks_at(a)) > memory.available)
 
 
 def check_step_memory(trainer: Any) -> StepMemory | None:
