@@ -7,7 +7,9 @@ fit is ended by the kernel's OOM killer — no exception, no message, the run ju
 × 8 sequences of 512 tokens took 17.7 GB on a 23 GB machine).  So before the first step the trainer
 measures: forward and backward (no optimizer update) on the first batch's own sequences at two
 small anchor counts, the process's peak resident memory read after each (Linux: ``VmHWM`` of
-``/proc/self/status``, reset through ``/proc/self/clear_refs``), a straight line through the two
+``/proc/self/status``, reset through ``/proc/self/clear_refs`` after malloc has handed its free
+pages back), never less than the bytes autograd saved for the backward pass (a floor the
+allocator cannot hide by reusing resident pages), a straight line through the two
 over the number of blocks, extrapolated to the configured step and compared with what the kernel
 reports available (``MemAvailable``).  A step that would not fit is refused with one line naming
 ``batch.anchors`` and ``batch.sequences`` and the largest anchor count that fits.
@@ -26,7 +28,7 @@ from typing import Any
 from specforge import machine
 from specforge.machine import GiB
 
-__all__ = ["StepMemory", "check_step_memory", "largest_fitting", "measure_step_memory"]
+__all__ = ["StepMemory", "check_step_memory", "largest_fitting", "measure_step_memory", "saved_for_backward"]
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,14 @@ class StepMemory:
                 f"{self.blocks[0]} and {self.blocks[1]}); {self.available / GiB:.1f} GiB available")
 
 
-def measure_step_memory(probe: Callable[[int], int], anchors: int,
+def measure_step_memory(probe: Callable[[int], tuple[int, int]], anchors: int,
                         blocks_at: Callable[[int], int]) -> StepMemory | None:
     """``probe(a)`` runs forward and backward at ``a`` anchors per sequence and returns its number
-    of blocks; ``blocks_at(a)`` counts them without running.  None where nothing can be measured
-    or the configured step is no bigger than a probe (it then fits: the probe ran)."""
+    of blocks and the bytes autograd kept for the backward pass; ``blocks_at(a)`` counts blocks
+    without running.  A probe's memory is the larger of the peak's growth and those bytes: the
+    peak can read low where the allocator reuses pages it kept resident, the saved tensors cannot.
+    None where nothing can be measured or the configured step is no bigger than a probe (it then
+    fits: the probe ran)."""
     if machine.peak_resident() is None or machine.memory_available() is None:
         return None
     small = max(1, min(anchors // 8, 8))
@@ -72,10 +77,27 @@ def measure_step_memory(probe: Callable[[int], int], anchors: int,
     probe(small)  # warm-up: gradient buffers and the autograd's first allocations stay resident
     blocks, peaks = [], []
     for a in (small, 2 * small):
-        base = machine.peak_resident(reset=True)
-        blocks.append(probe(a))
-        peaks.append(machine.peak_resident() - base)
+        base = machine.peak_resident(reset=True)  # None: the kernel refused the reset
+        n, saved = probe(a)
+        blocks.append(n)
+        peaks.append(max(machine.peak_resident() - base if base is not None else 0, saved))
     return StepMemory((blocks[0], blocks[1]), (peaks[0], peaks[1]), blocks_at(anchors), machine.memory_available())
+
+
+def saved_for_backward() -> tuple[Any, dict[int, int]]:
+    """A context that tallies the distinct storages autograd saves for the backward pass (bytes by
+    storage), and the tally it fills."""
+    import torch
+
+    tally: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            storage = t.untyped_storage()
+            tally[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tally
 
 
 def largest_fitting(memory: StepMemory, blocks_at: Callable[[int], int], anchors: int) -> int:
@@ -100,17 +122,19 @@ def check_step_memory(trainer: Any) -> StepMemory | None:
     def blocks_at(a: int) -> int:
         return sum(len(x) for x in anchors_for(feats, a, c.seed, trainer.epoch))
 
-    def probe(a: int) -> int:
+    def probe(a: int) -> tuple[int, int]:
         batch = trainer._inputs(feats, anchors_for(feats, a, c.seed, trainer.epoch))
         if batch is None:
-            return 0
+            return 0, 0
         trainer.module.train()
-        with trainer.forward_context(train=True):
+        saving, saved = saved_for_backward()
+        with trainer.forward_context(train=True), saving:
             out = trainer.module(batch)  # the bare module: no gradient all-reduce across ranks
-        # The eager loss: a compiled one fuses its passes and takes no more memory than this.
-        trainer.method.loss(out, batch).total.backward()
+            # The eager loss: a compiled one fuses its passes and takes no more memory than this.
+            loss = trainer.method.loss(out, batch).total
+        loss.backward()
         trainer.optimizer.zero_grad(set_to_none=True)
-        return int(batch.valid.shape[0])
+        return int(batch.valid.shape[0]), sum(saved.values())
 
     memory = measure_step_memory(probe, c.batch.anchors, blocks_at)
     if memory is not None and not memory.fits:
