@@ -264,13 +264,22 @@ class DraftCost:
                 "points": [[r, v] for r, v in self._points]}
 
     @classmethod
-    def load(cls, path: str | Path) -> DraftCost:
-        """Read a file written from :meth:`to_dict`; errors name the file."""
+    def from_dict(cls, data: Any) -> DraftCost:
+        """Build from :meth:`to_dict`'s object."""
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
             if data.get("format") != DRAFT_COST_FORMAT:
                 raise HardwareProfileError(f"format is {data.get('format')!r}, expected {DRAFT_COST_FORMAT!r}")
             return cls({int(r): v for r, v in data["points"]}, device=data.get("device", UNKNOWN),
                        target=data.get("target", UNKNOWN))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except HardwareProfileError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise HardwareProfileError(f"not a drafting cost: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> DraftCost:
+        """Read a file written from :meth:`to_dict`; errors name the file."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (OSError, ValueError) as exc:
             raise HardwareProfileError(f"drafting cost {str(path)!r} cannot be read: {exc}") from None

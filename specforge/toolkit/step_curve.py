@@ -21,7 +21,6 @@ speculated at 16 requests for 0.68x of plain decoding.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,6 @@ from typing import Any
 
 import torch
 
-from specforge.files import write_atomic
 from specforge.hardware import HardwareProfile
 from specforge.machine import machine_key
 from specforge.passes import VarlenBatch, split_tokens
@@ -148,13 +146,14 @@ def machine_profile(target: Any, log: Any = None) -> HardwareProfile:
     """This machine's step curve for ``target``: measured once (≈ a minute) and cached under
     ``$SPECFORGE_CACHE_DIR/profiles``, keyed by target, dtype, KV-cache dtype, weights, CPU, threads and torch —
     what ``profile: auto`` of the hardware-aware schedulers reads."""
+    from specforge.runtime.measured import cached_choice
+
     path = profile_file(target.name, profile_key(target))
-    if path.is_file():
-        return HardwareProfile.load(path)
-    (log or (lambda msg: print(msg, file=sys.stderr, flush=True)))(
-        f"measuring the step curve of {target.name} on this machine once (cached in {path})")
-    longest = split_tokens(AUTO_BATCHES[-1], 16)[0]
-    profile, _ = measure_sps(target, AUTO_BATCHES, context=max(1, min(256, target.max_positions - longest)), reps=3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(profile.to_dict(), indent=2) + "\n")
-    return profile
+
+    def measure() -> HardwareProfile:
+        (log or (lambda msg: print(msg, file=sys.stderr, flush=True)))(
+            f"measuring the step curve of {target.name} on this machine once (cached in {path})")
+        longest = split_tokens(AUTO_BATCHES[-1], 16)[0]
+        return measure_sps(target, AUTO_BATCHES, context=max(1, min(256, target.max_positions - longest)), reps=3)[0]
+
+    return cached_choice(path, measure, HardwareProfile.from_dict, HardwareProfile.to_dict)[0]
