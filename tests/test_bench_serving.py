@@ -118,10 +118,10 @@ def test_an_unfinished_run_resumes_at_its_next_concurrency_and_refuses_other_set
         run_serving_benchmark(concurrency=(1, 2), resume=saved[0], **{**kw, "max_new_tokens": 5})
 
 
-def test_llama_server_not_built_is_a_skipped_record_naming_the_build(monkeypatch):
+def test_llama_server_not_built_is_a_skipped_record_naming_the_build(monkeypatch, tmp_path):
     from specforge.peers import llamacpp, llamacpp_tools
 
-    monkeypatch.setattr(llamacpp_tools, "tool", lambda name: None)
+    monkeypatch.setattr(llamacpp_tools, "_places", lambda: [tmp_path])  # built nowhere
     recs = llamacpp.serve_llamacpp_closed_loop(llamacpp_tools.tools_dir() / "x.gguf", [[1, 2, 3]], 2, 4,
                                                LLAMA_SERVER_MODES)
     assert [r["variant"] for r in recs] == list(LLAMA_SERVER_MODES)
