@@ -192,7 +192,7 @@ def replayable_drafter(checkpoint: str, target: Any) -> Any:
     drafter = get_host().create_drafter(method, {"checkpoint": checkpoint, "dtype": "float32"})
     if not isinstance(drafter, Replays):
         raise ValueError(f"{checkpoint}: the {method} drafter cannot replay its rounds on cached features (it has "
-                         "no replay(features, target)); --drafter takes a dspark or dflash checkpoint")
+                         "no replay(features, target)); --drafter takes a dspark, dflash or eagle3 checkpoint")
     drafter.bind(target)
     return drafter
 
@@ -247,7 +247,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rows", type=int, default=60000, help="training rows (a random subset)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the probes' rows (0: no probes, only --drafter)")
     p.add_argument("--drafter", default=None, metavar="CHECKPOINT",
-                   help="a dspark/dflash checkpoint trained on this cache: its teacher-forced agreement per slot "
+                   help="a dspark, dflash or eagle3 checkpoint trained on this cache: its teacher-forced agreement per slot "
                         "and the τ of greedy rounds replayed over the held-out and the trained-on answers")
     add_output_arguments(p, "runs/probe")
 

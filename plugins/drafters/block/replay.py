@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specforge.toolkit.replay import ReplayTally
 from specforge_plugins.drafters.block.model import BlockBackbone
 
 __all__ = ["replay_rounds"]
@@ -30,8 +31,7 @@ def replay_rounds(backbone: BlockBackbone, head: nn.Module | None, features: lis
     """``{"top1": [per slot], "replay_tau", "rounds"}`` of ``backbone`` (bound) and its correction
     ``head`` (bound, or None) over ``features`` (:class:`~specforge.features.SequenceFeatures`)."""
     gamma, vocab = backbone.config.gamma, backbone.vocab
-    hits, seen = torch.zeros(gamma), torch.zeros(gamma)
-    rounds = tokens = 0
+    tally = ReplayTally(gamma)
     with torch.no_grad():
         for f in features:
             n, mask = len(f), f.loss_mask.bool()
@@ -45,14 +45,5 @@ def replay_rounds(backbone: BlockBackbone, head: nn.Module | None, features: lis
             if head is not None:
                 logits = head.forward_train(logits, torch.cat([f.input_ids[a][:, None], labels[:, :-1]], 1), hidden)
             pred = logits.argmax(-1) if vocab is None else vocab.to_target(logits.argmax(-1))
-            valid = torch.cumprod(((pos < n) & mask[pos.clamp(max=n - 1)]).long(), 1).bool()
-            hit = (pred == labels) & valid
-            hits += hit.float().sum(0)
-            seen += valid.float().sum(0)
-            run = torch.cumprod(hit.long(), 1).sum(1).tolist()  # drafts a round anchored here accepts
-            i = 0
-            while i < len(a):
-                rounds += 1
-                tokens += min(run[i] + 1, len(a) - i)
-                i += run[i] + 1
-    return {"top1": (hits / seen.clamp_min(1)).tolist(), "replay_tau": tokens / max(rounds, 1), "rounds": rounds}
+            tally.add(pred == labels, (pos < n) & mask[pos.clamp(max=n - 1)])
+    return tally.result()

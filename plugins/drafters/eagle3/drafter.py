@@ -38,6 +38,7 @@ from specforge.toolkit.drafting import LastRows, empty_block, open_round
 from specforge.toolkit.layers import SharedWeights
 from specforge.vocab import DraftVocab
 from specforge_plugins.drafters.eagle3.model import Eagle3Model, Eagle3Shape, load_eagle3
+from specforge_plugins.drafters.eagle3.replay import replay_chain
 from specforge_plugins.drafters.eagle3.tree import DynamicTree, grow_tree
 
 __all__ = ["Eagle3Config", "Eagle3Drafter"]
@@ -100,6 +101,13 @@ class Eagle3Drafter:
         s = model.shape
         self.feature_layers = s.layers
         self._cache = ContextCache(1, s.n_kv_heads, s.head_dim, model.dtype)
+
+    def replay(self, features: list[Any], target: Any) -> dict[str, Any]:
+        """The greedy rounds this checkpoint would run over ``features``' text, on the training path
+        (:func:`~specforge_plugins.drafters.eagle3.replay.replay_chain`, the ``Replays`` protocol)."""
+        if self.model is None or self._loaded is None:
+            raise ValueError("replay needs a drafter loaded from a checkpoint and bound to its target")
+        return {"checkpoint": str(self.config.checkpoint), **replay_chain(self.model, features, self.gamma)}
 
     @property
     def draft_vocab(self) -> DraftVocab | None:
