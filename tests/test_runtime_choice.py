@@ -38,7 +38,7 @@ def _choose(request: str, needs: Needs, monkeypatch, *, can_run: str | None = No
         return llama_b
 
     monkeypatch.setattr(choice_mod, "where_llamacpp_cannot_run", lambda gguf: can_run)
-    monkeypatch.setattr(choice_mod, "resolve_backend", lambda name, backends, vocab, key, say, requests: (
+    monkeypatch.setattr(choice_mod, "resolve_backend", lambda name, backends, vocab, key, say, requests, drafts: (
         say(f"measured → {faster}") or BackendChoice(_seconds(faster))))
     got = choose_backend(request, torch_b, open_llamacpp, Path("t.gguf"), needs, name="t", vocab=8,
                          key=lambda: "k", log=said.append)
@@ -110,9 +110,25 @@ def test_auto_decides_on_the_passes_of_the_load_it_serves(monkeypatch):
     said = []
     monkeypatch.setattr(choice_mod, "where_llamacpp_cannot_run", lambda gguf: None)
     for requests, want in ((1, "llama.cpp"), (64, "torch")):
-        monkeypatch.setattr(choice_mod, "resolve_backend", lambda name, backends, vocab, key, say, n: (
-            say(measured.describe(n)) or measured))
+        monkeypatch.setattr(choice_mod, "resolve_backend", lambda name, backends, vocab, key, say, n, drafts: (
+            say(measured.describe(n, drafts)) or measured))
         got = choose_backend("auto", Stand("torch"), lambda: Stand("llama.cpp"), Path("t.gguf"),
                              Needs(requests=requests), name="t", vocab=8, key=lambda: "k", log=said.append)
         assert got.name == want
     assert len(said) == 2 and (Needs(requests=1) | Needs(requests=64)).requests == 64
+
+
+def test_a_single_user_decoding_plainly_is_decided_on_the_decode_step_alone():
+    """Measured on the AVX512-BF16 EPYC: llama.cpp's one-row step is faster, its 8-token verify
+    pass slower — plain decoding never runs the verify pass, a drafting pipeline does."""
+    from specforge.engine.bind import drafter_needs, load_pipeline_target  # noqa: F401 - the callers
+
+    seconds = {"llama.cpp": {"decode-1": 0.0112, "decode-8": 0.0471, "verify-8": 0.0448},
+               "torch": {"decode-1": 0.0138, "decode-8": 0.0314, "verify-8": 0.0266}}
+    measured = BackendChoice(seconds)
+    assert measured.for_load(1, drafts=False) == "llama.cpp" and measured.for_load(1, drafts=True) == "torch"
+    assert measured.for_load(1) == "torch"  # not known: a drafting load is assumed
+    assert measured.describe(1, False).startswith("target.backend: auto → llama.cpp for 1 request at a time, "
+                                                  "plain decoding")
+    assert (Needs(drafts=False) | Needs(drafts=True)).drafts is True and (Needs() | Needs(drafts=False)).drafts is False
+    assert drafter_needs(None, 1)(None).drafts is False

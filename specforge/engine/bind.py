@@ -30,11 +30,12 @@ __all__ = ["bind_components", "check_calibrator", "drafter_identity", "drafter_n
 def drafter_needs(drafter: Any, requests: int | None = None) -> Callable[[ModelArgs], Needs]:
     """What ``drafter`` will read from the target's passes, given the target's shape: the layers it
     declares (:class:`~specforge.protocols.Taps`), so the target loads with a backend that taps them;
-    ``requests``, the load the caller serves, picks the measured passes ``auto`` decides on."""
+    ``requests``, the load the caller serves, and whether it drafts at all (``drafter`` None: plain
+    decoding) pick the measured passes ``auto`` decides on."""
 
     def needs(args: ModelArgs) -> Needs:
         taps = tuple(int(i) for i in drafter.taps_for(args)) if isinstance(drafter, Taps) else ()
-        return Needs(taps, requests=requests)
+        return Needs(taps, requests=requests, drafts=drafter is not None)
 
     return needs
 
@@ -48,7 +49,7 @@ def load_pipeline_target(pipeline: PipelineConfig, *others: PipelineConfig, requ
     wanted = [drafter_needs(spec.create()) for spec in drafters if spec is not None]
 
     def needs(args: ModelArgs) -> Needs:
-        return functools.reduce(operator.or_, (n(args) for n in wanted), Needs(requests=requests))
+        return functools.reduce(operator.or_, (n(args) for n in wanted), Needs(requests=requests, drafts=bool(wanted)))
 
     return load_target(pipeline.target, needs=needs, log=log)
 

@@ -7,8 +7,9 @@ the last layer, every row's final hidden state) is a :class:`~specforge.errors.C
 need, and otherwise times the passes a decoding engine runs most — one request's decode step, eight
 requests' decode step, one request's verify pass of eight tokens, each over a 256-token context — on
 both backends, interleaved, and keeps the faster on the passes of the load the caller serves
-(``Needs.requests``: a single user's decode and verify passes, a batched server's decode step, all
-three where the load is not given; geometric mean).  The timings are cached per machine, target,
+(``Needs.requests``: a single user's decode and verify passes — only the decode step where the
+caller decodes plainly, ``Needs.drafts`` False — a batched server's decode step, all three where
+the load is not given; geometric mean).  The timings are cached per machine, target,
 torch precision plan and binding, beside the precision plan; the verdict is printed with them.
 docs: docs/backends.md#choosing-a-backend-on-this-machine
 """
@@ -36,19 +37,23 @@ PASSES = {"decode-1": (1, 1), "decode-8": (8, 1), "verify-8": (1, 8)}  # name ->
 _METHOD = {"passes": PASSES, "context": _CONTEXT, "version": 1}
 
 
-def passes_for(requests: int | None) -> tuple[str, ...]:
+def passes_for(requests: int | None, drafts: bool | None = None) -> tuple[str, ...]:
     """The measured passes that decide for a load of ``requests`` decoded together: one request's
-    decode step and verify pass for a single user, the eight-request decode step for a batched
-    server, all three where the load is not known."""
+    decode step and (where it ``drafts``) verify pass for a single user, the eight-request decode
+    step for a batched server, all three where the load is not known.  Plain decoding
+    (``drafts`` False) never runs a verify pass."""
     if requests is None:
-        return tuple(PASSES)
-    return ("decode-1", "verify-8") if requests <= 1 else ("decode-8",)
+        return tuple(PASSES) if drafts is not False else ("decode-1", "decode-8")
+    if requests <= 1:
+        return ("decode-1",) if drafts is False else ("decode-1", "verify-8")
+    return ("decode-8",)
 
 
-def _load(requests: int | None) -> str:
+def _load(requests: int | None, drafts: bool | None = None) -> str:
+    what = "" if drafts is None else (", drafting" if drafts else ", plain decoding")
     if requests is None:
-        return "load not given"
-    return "1 request at a time" if requests <= 1 else f"{requests} requests at a time"
+        return f"load not given{what}"
+    return ("1 request at a time" if requests <= 1 else f"{requests} requests at a time") + what
 
 
 @dataclass(frozen=True)
@@ -62,15 +67,16 @@ class BackendChoice:
         ratios = [self.seconds["torch"][p] / self.seconds["llama.cpp"][p] for p in passes]
         return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
-    def for_load(self, requests: int | None) -> str:
+    def for_load(self, requests: int | None, drafts: bool | None = None) -> str:
         """The faster backend on the passes a load of ``requests`` runs (:func:`passes_for`)."""
-        return "llama.cpp" if self.speedup(passes_for(requests)) >= 1 else "torch"
+        return "llama.cpp" if self.speedup(passes_for(requests, drafts)) >= 1 else "torch"
 
-    def describe(self, requests: int | None = None) -> str:
+    def describe(self, requests: int | None = None, drafts: bool | None = None) -> str:
         passes = ", ".join(f"{p} {1e3 * self.seconds['llama.cpp'][p]:.1f} vs {1e3 * self.seconds['torch'][p]:.1f} ms"
                            for p in PASSES)
-        chosen = passes_for(requests)
-        return (f"target.backend: auto → {self.for_load(requests)} for {_load(requests)} (measured on this machine: "
+        chosen = passes_for(requests, drafts)
+        return (f"target.backend: auto → {self.for_load(requests, drafts)} for {_load(requests, drafts)} "
+                f"(measured on this machine: "
                 f"llama.cpp vs torch {passes}; on {', '.join(chosen)} llama.cpp runs at "
                 f"{self.speedup(chosen):.2f}x torch's speed)")
 
@@ -115,9 +121,10 @@ def measure_backends(backends: Mapping[str, Any], vocab: int, reps: int = 10) ->
 
 
 def resolve_backend(name: str, backends: Mapping[str, TargetBackend], vocab: int, key: str,
-                    say: Callable[[str], None], requests: int | None = None) -> BackendChoice:
+                    say: Callable[[str], None], requests: int | None = None,
+                    drafts: bool | None = None) -> BackendChoice:
     """The cached timings for this machine, else measured now on the two ``backends`` and cached
-    under ``key``; the verdict for a load of ``requests`` is said once, with them."""
+    under ``key``; the verdict for a load of ``requests`` (drafting or not) is said once, with them."""
     from specforge.caches import profile_file
     from specforge.runtime.measured import cached_choice
 
@@ -128,7 +135,7 @@ def resolve_backend(name: str, backends: Mapping[str, TargetBackend], vocab: int
         return measure_backends(backends, vocab)
 
     choice, cached = cached_choice(path, measure, BackendChoice.from_dict, BackendChoice.to_dict)
-    say(choice.describe(requests) + (f" [cached: {path}]" if cached else ""))
+    say(choice.describe(requests, drafts) + (f" [cached: {path}]" if cached else ""))
     return choice
 
 
@@ -171,8 +178,9 @@ def choose_backend(request: str, torch_backend: TargetBackend, open_llamacpp: Ca
     if why:
         say(f"target.backend: auto → torch ({why})")
         return torch_backend
-    choice = resolve_backend(name, {"torch": torch_backend, "llama.cpp": backend}, vocab, key(), say, needs.requests)
-    return backend if choice.for_load(needs.requests) == "llama.cpp" else torch_backend
+    choice = resolve_backend(name, {"torch": torch_backend, "llama.cpp": backend}, vocab, key(), say, needs.requests,
+                             needs.drafts)
+    return backend if choice.for_load(needs.requests, needs.drafts) == "llama.cpp" else torch_backend
 
 
 def method_key() -> dict[str, Any]:

@@ -43,11 +43,15 @@ class Needs:
     # The load: requests decoded together, as the caller expects to serve (1: a single user; None:
     # not known).  Not a capability — it picks which measured passes decide ``auto``.
     requests: int | None = None
+    # Whether the caller verifies drafted blocks (True: a drafter; False: plain decoding, whose
+    # passes are all one-token decode steps; None: not known).  Like ``requests``, a load hint.
+    drafts: bool | None = None
 
     def __or__(self, other: Needs) -> Needs:
         loads = [n for n in (self.requests, other.requests) if n is not None]
+        known = [d for d in (self.drafts, other.drafts) if d is not None]
         return Needs(tuple(sorted({*self.taps, *other.taps})), self.final_hidden or other.final_hidden,
-                     max(loads) if loads else None)
+                     max(loads) if loads else None, any(known) if known else None)
 
 
 @runtime_checkable
