@@ -234,3 +234,22 @@ def test_a_learning_drafter_forgets_before_each_set_and_temperature(tiny_run, mo
     # the warm-up's request, then the T = 0 set's two, were learned — and forgotten before the next job
     assert learned_at_forget == [1, 2]
     assert len(gated_at_forget) == 2 and gated_at_forget[1] > 0  # the T = 0 set's drafted rounds, forgotten
+
+
+def test_an_evaluation_sizes_every_arms_cache_for_its_prompts(tiny_run, monkeypatch):
+    """Each arm keeps its own KV cache: sized for what these prompts can reach, not the 4,096
+    positions a server keeps (64 requests × 4,096 positions × 4 arms did not fit a 23 GB machine)."""
+    from specforge.config import load_pipeline
+    from specforge.engine import engine as engine_mod
+    from specforge.evaluation import EvalSettings, evaluate
+
+    root, _, prompts = tiny_run
+    sized = []
+    check = engine_mod._check_cache_fits
+    monkeypatch.setattr(engine_mod, "_check_cache_fits",
+                        lambda target, slots, positions: (sized.append((slots, positions)), check(target, slots, positions)))
+    pipeline = load_pipeline(str(root / "lookup.yaml"))
+    evaluate(pipeline, EvalSettings(datasets=[str(prompts)], prompts=2, temperatures=(0.0,), max_new_tokens=6,
+                                    concurrency=4, progress=False), compare={"again": pipeline})
+    assert len(sized) == 3 and all(slots == 4 for slots, _ in sized)  # the pipeline, its comparison, plain
+    assert len({p for _, p in sized}) == 1 and sized[0][1] < pipeline.engine.max_context

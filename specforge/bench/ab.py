@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from specforge.bench.engine_bench import bench_context, needs_profile, variant_engine
+from specforge.bench.engine_bench import needs_profile, variant_engine
+from specforge.engine.request import positions_needed
 from specforge.bench.hf_baseline import load_smollm2, run_generate
 from specforge.bench.runner import Report, add_output_arguments, bench_command
 from specforge.bench.serving import prompt_mix
@@ -126,8 +127,8 @@ class _Arms:
                               for p in sorted(hf_precisions)}
 
     def build_engines(self, prompts: Sequence[Sequence[int]]) -> None:
-        """An engine per engine arm, its KV cache sized for ``prompts`` (:func:`bench_context`)."""
-        context = bench_context(prompts, self.max_new_tokens)
+        """An engine per engine arm, its KV cache sized for ``prompts`` (:func:`positions_needed`)."""
+        context = positions_needed(prompts, self.max_new_tokens)
         for a in self.engine_arms:
             base, _, kv = _parts(a)
             target = self.targets[_target_key(a)]

@@ -31,6 +31,7 @@ from specforge.evalsets import apply_chat_template, select_prompts
 from specforge.config import EngineConfig, PipelineConfig, SamplingConfig
 from specforge.errors import ConfigError
 from specforge.engine import Engine, GenerationRequest
+from specforge.engine.request import positions_needed
 from specforge.hardware import HardwareProfile
 from specforge.machine import machine
 from specforge.plugins import get_host
@@ -38,7 +39,7 @@ from specforge.toolkit.step_curve import DEFAULT_BATCHES, measure_sps
 from specforge.runtime import TargetModel, load_target
 from specforge.runtime.target import DTYPES
 
-__all__ = ["COMMAND", "ENGINE_VARIANTS", "REPORT", "bench_context", "bench_engine_variant", "needs_profile",
+__all__ = ["COMMAND", "ENGINE_VARIANTS", "REPORT", "bench_engine_variant", "needs_profile",
            "run_engine_benchmark", "table", "plot", "variant_engine"]
 
 # variant -> drafter (name, config) or None for plain decoding
@@ -102,12 +103,6 @@ def variant_engine(target: TargetModel, variant: str, concurrency: int, max_new_
     )
 
 
-def bench_context(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> int:
-    """The positions a bench's request can reach: its longest prompt, its new tokens and a
-    block of drafts past them — the cache a bench needs, not the 4,096 a server would keep."""
-    return max(map(len, prompt_ids), default=0) + max_new_tokens + 16
-
-
 def bench_engine_variant(
     target: TargetModel,
     prompt_ids: Sequence[Sequence[int]],
@@ -126,7 +121,7 @@ def bench_engine_variant(
     from tqdm.auto import tqdm
 
     system = _system(target)
-    context = bench_context(prompt_ids, max(max_new_tokens, warmup_tokens))
+    context = positions_needed(prompt_ids, max(max_new_tokens, warmup_tokens))
     if pipeline is None:
         engine = variant_engine(target, variant, concurrency, max_new_tokens, profile, context)
     else:

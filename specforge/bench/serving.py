@@ -46,6 +46,7 @@ from typing import Any
 
 from specforge.bench.runner import (TEMPERATURE, Report, add_output_arguments, add_temperature_argument,
                                     bench_command, unfinished)
+from specforge.engine.request import positions_needed
 from specforge.errors import ConfigError, SpecforgeError
 from specforge.machine import machine
 from specforge.resume import refuse_other_settings, write_record
@@ -337,7 +338,7 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
         # At least requests_per_slot requests per slot, so the loop spends most of its time full.
         n = max(len(prompts), requests_per_slot * r)
         batch = [prompts[j % len(prompts)] for j in range(n)]
-        context = max(len(p) for p in batch) + max_new_tokens + 16
+        context = positions_needed(batch, max_new_tokens)
         # Where the prompts go twice round the slots per half, each arm runs the two halves in
         # turn, the arms' order reversed for the second (ABBA): a machine drifting over the
         # minutes an R takes then weighs on every arm alike.  Each half is its own engine.
@@ -382,7 +383,7 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     open_loop = []
     cap = max(concurrency)
     for i, rate in enumerate(rates):
-        context = max(len(p) for p in prompts) + max_new_tokens + 16
+        context = positions_needed(prompts, max_new_tokens)
         for label in (list(arms) if i % 2 == 0 else list(reversed(arms))):
             p = pipelines[label]
             engine = Engine.from_pipeline(replace(p, engine=p.engine.model_copy(

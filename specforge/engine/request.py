@@ -8,7 +8,18 @@ from typing import Any
 
 from specforge.acceptance import AcceptanceCounts
 
-__all__ = ["FinishReason", "GenerationRequest", "RequestOutput", "RequestStats", "StreamEvent"]
+__all__ = ["FinishReason", "GenerationRequest", "RequestOutput", "RequestStats", "StreamEvent", "positions_needed"]
+
+# Positions past a request's last token that a round may still write: a block of drafts (γ ≤ 15)
+# and the bonus token.
+_DRAFT_ROOM = 16
+
+
+def positions_needed(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """The positions any of these prompts can reach with ``max_new_tokens`` new tokens and a block
+    of drafts past them: the context a job that knows its prompts sizes its KV cache for (a bench,
+    an evaluation, a peer's ``n_ctx``), not the 4,096 a server keeps for prompts it has not seen."""
+    return max(map(len, prompt_ids), default=0) + max_new_tokens + _DRAFT_ROOM
 
 
 class FinishReason:

@@ -146,6 +146,7 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
     from tqdm.auto import tqdm
 
     from specforge.engine import load_pipeline_target
+    from specforge.engine.request import positions_needed
 
     compare = dict(compare or {})
     for name, p in {"": pipeline, **compare}.items():
@@ -157,7 +158,11 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
                                f"pipeline's {pipeline.target.model} ({pipeline.target.dtype}); arms share one target"])
     prompt_sets = settings.prompt_sets()
     target = target or load_pipeline_target(pipeline, *compare.values(), requests=settings.concurrency)
-    limits = EngineConfig(max_batch=settings.concurrency, max_context=pipeline.engine.max_context)
+    # The KV cache holds what these prompts can reach, not the pipeline's 4,096 positions for
+    # prompts unseen: every arm keeps its own cache, and 64 of them at 4,096 would not fit here.
+    prompt_ids = {name: [apply_chat_template(target.tokenizer, p.text) for p in ps] for name, ps in prompt_sets.items()}
+    reach = positions_needed([ids for each in prompt_ids.values() for ids in each], settings.max_new_tokens)
+    limits = EngineConfig(max_batch=settings.concurrency, max_context=min(pipeline.engine.max_context, reach))
     spec = Engine.from_pipeline(replace(pipeline, engine=limits), target)
     arms = {name: Engine.from_pipeline(replace(p, engine=limits), target) for name, p in compare.items()}
     plain = Engine(target, pipeline.component("verifier").create(), engine=limits) if settings.speedup else None
@@ -171,7 +176,7 @@ def evaluate(pipeline: PipelineConfig, settings: EvalSettings, target: Any = Non
         bar.set_postfix_str(f"{name} T={temperature:g}")
         prompts = prompt_sets[name]
         dataset = prompts[0].dataset if prompts else str(name)
-        ids = [apply_chat_template(target.tokenizer, p.text) for p in prompts]
+        ids = prompt_ids[name]
         engines = [e for e in (spec, *arms.values(), plain) if e is not None]
         if not warmed:  # first-call allocations and kernel selection, untimed
             for engine in engines:

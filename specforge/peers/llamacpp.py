@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from specforge.engine.request import positions_needed
 from specforge.peers.records import rounds_for, summarize
 
 __all__ = ["LLAMACPP_VARIANTS", "SERVER_VARIANTS", "bench_llamacpp", "bench_llamacpp_server", "serve_llamacpp_closed_loop"]
@@ -75,7 +76,7 @@ def bench_llamacpp(gguf: Path, prompt_ids: Sequence[Sequence[int]], concurrencie
     import llama_cpp
 
     records = []
-    context = max(len(p) for p in prompt_ids) + max_new_tokens + 16
+    context = positions_needed(prompt_ids, max_new_tokens)
     for c in concurrencies:
         for variant, draft in LLAMACPP_VARIANTS.items():
             if c != 1:
@@ -129,7 +130,7 @@ def bench_llamacpp_server(gguf: Path, prompt_ids: Sequence[Sequence[int]], concu
     reason = missing_reason("llama-server")
     if reason:
         return [_skipped(v, c, reason, system) for c in concurrencies for v in variants if v == "plain" or c == 1]
-    context = max(len(p) for p in prompt_ids) + max_new_tokens + 16
+    context = positions_needed(prompt_ids, max_new_tokens)
     records = []
     for c in concurrencies:
         for variant, flags in variants.items():
@@ -188,7 +189,7 @@ def serve_llamacpp_closed_loop(gguf: Path, prompt_ids: Sequence[Sequence[int]], 
     reason = missing_reason("llama-server")
     if reason:
         return [_skipped(v, slots, reason, system) for v in variants]
-    context = max(len(p) for p in prompt_ids) + max_new_tokens + 16
+    context = positions_needed(prompt_ids, max_new_tokens)
     records = []
     for variant in variants:
         log = None if log_dir is None else Path(log_dir) / f"llama-server-{variant}-r{slots}.log"

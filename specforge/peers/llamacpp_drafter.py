@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specforge.engine.request import positions_needed
 from specforge.errors import SpecforgeError
 from specforge.peers.drafter_peer import PeerDrafterSettings, PeerRun
 from specforge.peers.records import TEMPERATURE
@@ -67,7 +68,7 @@ class LlamaCppPeer:
         directory, name = resolve_model(target)  # a GGUF: the export refused any other target
         gguf = directory / name
         threads = self.threads or torch.get_num_threads()
-        context = max(len(p) for p in prompt_ids) + settings.max_new_tokens + 16
+        context = positions_needed(prompt_ids, settings.max_new_tokens)
         arms = {"plain": ("-fa", "auto"), method: ("-fa", "auto", *server_flags(method, export, gamma))}
         results: dict[str, Any] = {}
         commands = []
