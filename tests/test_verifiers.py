@@ -409,6 +409,11 @@ def test_temperature_zero_reduces_to_greedy(name):
         want = GreedyVerifier().verify(logits, x, q, lengths, sampling, u)
         assert torch.equal(got.num_accepted, want.num_accepted)
         assert torch.equal(got.next_token, want.next_token)
+        if name == "rejection":  # its T = 0 shortcut against its own laws, built and sampled
+            from specforge.toolkit.verification import BaseVerifier, prepare
+
+            laws = BaseVerifier._verify(ALL[name], prepare(logits, x, q, lengths, sampling, u), sampling)
+            assert torch.equal(laws.num_accepted, want.num_accepted) and torch.equal(laws.next_token, want.next_token)
 
 
 def test_greedy_on_crafted_inputs():

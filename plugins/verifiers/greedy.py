@@ -13,7 +13,7 @@ from torch import Tensor
 
 from specforge.components import VerifyOutput
 from specforge.sampling import SamplingParams
-from specforge.toolkit.verification import BaseVerifier, VerifyInputs, accepted_prefix
+from specforge.toolkit.verification import BaseVerifier, VerifyInputs, greedy_outcome
 
 __all__ = ["GreedyConfig", "GreedyVerifier"]
 
@@ -44,9 +44,4 @@ class GreedyVerifier(BaseVerifier):
                 f"request {r}: the greedy verifier needs temperature 0, got "
                 f"{float(sampling.temperature[r])}; use 'rejection' or 'match' for sampling"
             )
-        # Top-k/top-p never remove the arg-max, and torch.argmax returns the first maximum, so
-        # this is warp()'s T = 0 one-hot without sorting the vocabulary.
-        best = inputs.logits.argmax(-1)
-        n = accepted_prefix(best[:, : inputs.gamma] == inputs.tokens, inputs.valid)
-        rows = torch.arange(best.shape[0], device=best.device)
-        return VerifyOutput(num_accepted=n, next_token=best[rows, n])
+        return greedy_outcome(inputs)

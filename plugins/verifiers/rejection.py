@@ -10,7 +10,9 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
-from specforge.toolkit.verification import BaseVerifier, gather_at
+from specforge.components import VerifyOutput
+from specforge.sampling import SamplingParams
+from specforge.toolkit.verification import BaseVerifier, VerifyInputs, gather_at, greedy_outcome
 
 __all__ = ["RejectionConfig", "RejectionVerifier"]
 
@@ -35,6 +37,14 @@ class RejectionVerifier(BaseVerifier):
         # u·q(x) < p(x) with u ∈ [0, 1): certain when q(x) = 0 < p(x), impossible when both are 0.
         ratio = (px / torch.where(qx > 0, qx, torch.ones_like(qx))).clamp(max=1.0)
         return torch.where(qx > 0, ratio, (px > 0).to(p.dtype))
+
+    def _verify(self, inputs: VerifyInputs, sampling: SamplingParams) -> VerifyOutput:
+        # At T = 0 every row's law is the one-hot of its arg-max: a draft is accepted exactly when
+        # it is the arg-max (its q(x) > 0, so min(1, 1/q(x)) = 1), and on rejection the residual
+        # max(p − q, 0) is that one-hot again.  A batch all at T = 0 skips building the laws.
+        if not bool((sampling.temperature > 0).any()):
+            return greedy_outcome(inputs)
+        return super()._verify(inputs, sampling)
 
     def residual(self, p: Tensor, q: Tensor | None, x: Tensor) -> Tensor:
         if q is None:

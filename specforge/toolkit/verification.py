@@ -27,7 +27,7 @@ from specforge.sampling import (
 )
 from specforge.toolkit.trees import check_parents, verify_tree
 
-__all__ = ["BaseVerifier", "VerifyInputs", "accepted_prefix", "gather_at", "prepare"]
+__all__ = ["BaseVerifier", "VerifyInputs", "accepted_prefix", "gather_at", "greedy_outcome", "prepare"]
 
 
 def gather_at(t: Tensor, x: Tensor) -> Tensor:
@@ -137,6 +137,17 @@ def prepare(
         used=used,
         uniforms=uniforms.to(device),
     )
+
+
+def greedy_outcome(inputs: VerifyInputs) -> VerifyOutput:
+    """Verification at temperature 0: accept drafts while each is the row's arg-max, then emit the
+    arg-max — the outcome every lossless verifier reaches when the target's law is the one-hot of
+    its arg-max.  Top-k/top-p never remove the arg-max, and ``torch.argmax`` returns the first
+    maximum, so this is :func:`~specforge.sampling.warp`'s T = 0 one-hot without building it."""
+    best = inputs.logits.argmax(-1)
+    n = accepted_prefix(best[:, : inputs.gamma] == inputs.tokens, inputs.valid)
+    rows = torch.arange(best.shape[0], device=best.device)
+    return VerifyOutput(num_accepted=n, next_token=best[rows, n])
 
 
 class BaseVerifier(ABC):
