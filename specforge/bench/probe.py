@@ -232,7 +232,8 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel(label)
         ax.set_ylim(0, 1)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # --epochs 0: no probes, the T = 1 panel is empty
+            ax.legend(fontsize=8)
     return [save_figure(fig, out / "probe.png", title=result["machine"]["cpu"])]
 
 
