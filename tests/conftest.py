@@ -12,6 +12,6 @@ def pytest_configure(config) -> None:
     # (child processes inherit it).  A caller that set it keeps it.
     if "SPECFORGE_CACHE_DIR" not in os.environ:
         os.environ["SPECFORGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="specforge-tests-")
-    # A choice measured on a busy machine is not cached (specforge.runtime.measured); the tests'
+    # A choice measured on a busy machine is not cached (specforge.measured); the tests'
     # choices are cached whatever the CI host's neighbours do, so what they assert stays the same.
     os.environ.setdefault("SPECFORGE_CACHE_WHEN_BUSY", "1")

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from specforge import machine
-from specforge.runtime import measured
+from specforge import measured
 
 
 def _load(record):

@@ -107,7 +107,7 @@ def machine_draft_cost(engine: Any, log: Any = None) -> DraftCost:
     """This machine's ρ(R) for ``engine``'s drafting side: measured once (seconds) and cached
     under ``$SPECFORGE_CACHE_DIR/profiles`` beside the step curve — what ``draft_cost: auto``
     of the hardware-aware schedulers reads (the engine offers it as ``bind_draft_cost``)."""
-    from specforge.runtime.measured import cached_choice
+    from specforge.measured import cached_choice
 
     path = profile_file(engine.target.name, _drafting_key(engine), "draft")
 

@@ -126,7 +126,7 @@ def resolve_backend(name: str, backends: Mapping[str, TargetBackend], vocab: int
     """The cached timings for this machine, else measured now on the two ``backends`` and cached
     under ``key``; the verdict for a load of ``requests`` (drafting or not) is said once, with them."""
     from specforge.caches import profile_file
-    from specforge.runtime.measured import cached_choice
+    from specforge.measured import cached_choice
 
     path = profile_file(name, key, "backend")
 

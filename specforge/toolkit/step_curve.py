@@ -146,7 +146,7 @@ def machine_profile(target: Any, log: Any = None) -> HardwareProfile:
     """This machine's step curve for ``target``: measured once (≈ a minute) and cached under
     ``$SPECFORGE_CACHE_DIR/profiles``, keyed by target, dtype, KV-cache dtype, weights, CPU, threads and torch —
     what ``profile: auto`` of the hardware-aware schedulers reads."""
-    from specforge.runtime.measured import cached_choice
+    from specforge.measured import cached_choice
 
     path = profile_file(target.name, profile_key(target))
 

@@ -125,7 +125,7 @@ def resolve_compile(target: Any, name: str, key: str, log: Callable[[str], None]
     compiled pays), else measured now (:func:`measure_compile`) and cached under ``key``.  The
     target is left compiled exactly when the returned choice says so."""
     from specforge.caches import profile_file
-    from specforge.runtime.measured import cached_choice
+    from specforge.measured import cached_choice
 
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     path = profile_file(name, key, "compile")

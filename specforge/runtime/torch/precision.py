@@ -379,7 +379,7 @@ def resolve_precision(name: str, build: Build, candidates: Sequence[str], skippe
     :func:`specforge.machine.machine_key`), else measured now and written there.  An unreadable
     cache file is measured again."""
     from specforge.caches import profile_file
-    from specforge.runtime.measured import cached_choice
+    from specforge.measured import cached_choice
 
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     path = profile_file(name, key, "precision")
