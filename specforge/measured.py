@@ -1,10 +1,12 @@
 """A choice measured once per machine and cached under ``$SPECFORGE_CACHE_DIR/profiles``.
 
-The target's precision plan (:mod:`.precision`) and whether its compiled forward pays
-(:mod:`.compile_choice`) are measured the same way: look for the record this machine made before
-under a key that names everything the choice depends on (:func:`specforge.machine.machine_key`),
-else measure and write it.  A damaged record is measured again; a read-only home only means
-measuring again next time.
+The target's precision plan (:mod:`specforge.runtime.torch.precision`), whether its compiled
+forward pays (:mod:`specforge.runtime.torch.compile_choice`), the backend
+(:mod:`specforge.runtime.choice`), the step curve (:mod:`specforge.toolkit.step_curve`) and what
+drafting costs (:mod:`specforge.engine.draft_cost`) are all cached here: look for the record this
+machine made before under a key that names everything the choice depends on
+(:func:`specforge.machine.machine_key`), else measure and write it.  A damaged record is
+measured again; a read-only home only means measuring again next time.
 
 A choice timed while other processes kept the machine's CPUs busy is used for the run at hand but
 not written: timings taken against another process's load say nothing about this machine (a
@@ -39,7 +41,6 @@ def cached_choice(path: Path, measure: Callable[[], T], load: Callable[[Mapping[
     """``(choice, cached)``: ``load`` of the record at ``path``, or ``measure()`` written there
     with ``dump``.  ``load`` raises ``ValueError`` on a record it cannot read."""
     from specforge.files import write_atomic
-
     from specforge.machine import cpu_times, others_share
 
     if path.is_file():

@@ -121,7 +121,7 @@ def test_auto_decides_on_the_passes_of_the_load_it_serves(monkeypatch):
 def test_a_single_user_decoding_plainly_is_decided_on_the_decode_step_alone():
     """Measured on the AVX512-BF16 EPYC: llama.cpp's one-row step is faster, its 8-token verify
     pass slower — plain decoding never runs the verify pass, a drafting pipeline does."""
-    from specforge.engine.bind import drafter_needs, load_pipeline_target  # noqa: F401 - the callers
+    from specforge.engine.bind import drafter_needs
 
     seconds = {"llama.cpp": {"decode-1": 0.0112, "decode-8": 0.0471, "verify-8": 0.0448},
                "torch": {"decode-1": 0.0138, "decode-8": 0.0314, "verify-8": 0.0266}}

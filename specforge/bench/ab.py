@@ -289,9 +289,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     mostly cancels; reports the median and quartiles of those ratios.  Arms: hf (HF generate) and
     {eager,compiled}-{plain,ngram,ngram-hw,ngram-shut} of the engine (ngram-shut: a draft gate
     that keeps almost every round plain), llamacpp-… the same on the llama.cpp backend; a native-
-    prefix runs the engine arm on the GGUF's 4-bit blocks, a /PRECISION suffix (auto, float32, bfloat16) in that precision (default: auto for
-    the engine, bfloat16 for hf), a :model or :float32 suffix with that KV-cache dtype (default:
-    auto's choice on this machine).
+    prefix runs the engine arm on the GGUF's 4-bit blocks, a /PRECISION suffix (auto, float32,
+    bfloat16) in that precision (default: auto for the engine, bfloat16 for hf), a :model or
+    :float32 suffix with that KV-cache dtype (default: auto's choice on this machine).
     """
     return run_ab(args.arms, baseline=args.baseline, trials=args.trials, concurrency=args.concurrency,
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens, threads=args.threads,

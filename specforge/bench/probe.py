@@ -248,8 +248,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rows", type=int, default=60000, help="training rows (a random subset)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the probes' rows (0: no probes, only --drafter)")
     p.add_argument("--drafter", default=None, metavar="CHECKPOINT",
-                   help="a dspark, dflash or eagle3 checkpoint trained on this cache: its teacher-forced agreement per slot "
-                        "and the τ of greedy rounds replayed over the held-out and the trained-on answers")
+                   help="a dspark, dflash or eagle3 checkpoint trained on this cache: its teacher-forced agreement "
+                        "per slot and the τ of greedy rounds replayed over the held-out and the trained-on answers")
     add_output_arguments(p, "runs/probe")
 
 

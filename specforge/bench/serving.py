@@ -51,9 +51,8 @@ from specforge.errors import ConfigError, SpecforgeError
 from specforge.machine import machine
 from specforge.resume import refuse_other_settings, write_record
 
-__all__ = ["COMMAND", "DEFAULT_ARMS", "FLOORS", "LLAMA_SERVER_MODES", "REPORT", "ServingResumeError", "arm_pipelines",
-           "at_floors", "prompt_mix",
-           "run_serving_benchmark", "table"]
+__all__ = ["COMMAND", "DEFAULT_ARMS", "FLOORS", "LLAMA_SERVER_MODES", "REPORT", "ServingResumeError",
+           "arm_pipelines", "at_floors", "prompt_mix", "run_serving_benchmark", "table"]
 
 
 class ServingResumeError(SpecforgeError, ValueError):
@@ -321,7 +320,8 @@ def run_serving_benchmark(arms: Sequence[str] = tuple(DEFAULT_ARMS), drafter: Se
     m = machine()
     settings = {"arms": list(arms), "drafter": list(drafter), "datasets": list(datasets), "per_set": per_set,
                 "sharegpt": sharegpt, "max_new_tokens": max_new_tokens, "requests_per_slot": requests_per_slot,
-                "vllm": vllm, "llama_server": llama_server, "temperature": temperature, "cpu": m["cpu"], "torch_threads": m["torch_threads"],
+                "vllm": vllm, "llama_server": llama_server, "temperature": temperature, "cpu": m["cpu"],
+                "torch_threads": m["torch_threads"],
                 "kv_dtype": dtype_name(target.runtime.cache_dtype()), "precision": target.precision_label}
     records: list[dict[str, Any]] = []
     peer_status: dict[str, str] = {}  # arm -> "ok" or why it did not run
@@ -424,9 +424,10 @@ def table(result: dict[str, Any]) -> str:
     if floors:
         lines += ["", "at a per-user floor: the best aggregate tokens/s (at R) whose requests averaged at least "
                       "that many tokens/s each",
-                  "| arm | " + " | ".join(f"≥ {f} tok/s per user" for f in floors) + " |", "|---|" + "---|" * len(floors)]
+                  "| arm | " + " | ".join(f"≥ {f} tok/s per user" for f in floors) + " |",
+                  "|---|" + "---|" * len(floors)]
         for a in [*arms, *result.get("peers", {})]:
-            cells = [("–" if not floors[f].get(a) else f"{floors[f][a]['tok_s']:.1f} (R={floors[f][a]['concurrency']})")
+            cells = ["–" if not (best := floors[f].get(a)) else f"{best['tok_s']:.1f} (R={best['concurrency']})"
                      for f in floors]
             lines.append(f"| {a} | " + " | ".join(cells) + " |")
     for a, why in (result.get("peers_missing") or {}).items():

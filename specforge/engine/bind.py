@@ -49,7 +49,7 @@ def load_pipeline_target(pipeline: PipelineConfig, *others: PipelineConfig, requ
     wanted = [drafter_needs(spec.create()) for spec in drafters if spec is not None]
 
     def needs(args: ModelArgs) -> Needs:
-        return functools.reduce(operator.or_, (n(args) for n in wanted), Needs(requests=requests, drafts=bool(wanted)))
+        return functools.reduce(operator.or_, (n(args) for n in wanted), Needs(requests=requests, drafts=False))
 
     return load_target(pipeline.target, needs=needs, log=log)
 

@@ -25,7 +25,8 @@ import torch
 from specforge.engine.request import positions_needed
 from specforge.peers.records import rounds_for, summarize
 
-__all__ = ["LLAMACPP_VARIANTS", "SERVER_VARIANTS", "bench_llamacpp", "bench_llamacpp_server", "serve_llamacpp_closed_loop"]
+__all__ = ["LLAMACPP_VARIANTS", "SERVER_VARIANTS", "bench_llamacpp", "bench_llamacpp_server",
+           "serve_llamacpp_closed_loop"]
 
 # variant -> the binding's draft model (None: plain decoding)
 LLAMACPP_VARIANTS = {"plain": None, "lookup": {"max_ngram_size": 3, "num_pred_tokens": 5}}
@@ -124,7 +125,7 @@ def bench_llamacpp_server(gguf: Path, prompt_ids: Sequence[Sequence[int]], concu
     has the draft tokens llama.cpp drafted and accepted in ``extra``."""
     from tqdm.auto import tqdm
 
-    from specforge.peers.llama_server import LlamaServer, ServerError
+    from specforge.peers.llama_server import ServerError
     from specforge.peers.llamacpp_tools import missing_reason
 
     reason = missing_reason("llama-server")
@@ -137,38 +138,28 @@ def bench_llamacpp_server(gguf: Path, prompt_ids: Sequence[Sequence[int]], concu
             if variant != "plain" and c != 1:
                 continue
             log = None if log_dir is None else Path(log_dir) / f"llama-server-{variant}-c{c}.log"
+            timed: list[dict[str, float]] = []
             try:
-                with LlamaServer(gguf, slots=c, context=context, threads=threads or torch.get_num_threads(),
-                                 extra=("-fa", "auto", "-kvu", *flags), log=log) as server:
-                    drafts = [0, 0]  # drafted, accepted
-
-                    def one(i: int, n: int) -> int:
-                        reply = server.complete(prompt_ids[i], n)
-                        timings = reply.get("timings", {})
-                        drafts[0] += int(timings.get("draft_n", 0))
-                        drafts[1] += int(timings.get("draft_n_accepted", 0))
-                        return int(reply["tokens_predicted"])
-
-                    with ThreadPoolExecutor(c) as pool:
-                        list(pool.map(lambda i: one(i, 8), range(min(c, len(prompt_ids)))))  # warm-up
-                        drafts[:] = [0, 0]  # counted over the timed rounds only
-                        times, counts, ptoks = [], [], 0
-                        for indices in tqdm(rounds_for(len(prompt_ids), c, min_rounds),
-                                            desc=f"llama-server {variant} c={c}", unit="round", disable=not progress,
-                                            file=sys.stderr):
-                            t0 = time.perf_counter()
-                            counts.append(list(pool.map(lambda i: one(i, max_new_tokens), indices)))
-                            times.append(time.perf_counter() - t0)
-                            ptoks += sum(len(prompt_ids[i]) for i in indices)
+                with _server(gguf, c, context, threads, flags, log) as server, ThreadPoolExecutor(c) as pool:
+                    list(pool.map(lambda i: _ask(server, prompt_ids[i], 8), range(min(c, len(prompt_ids)))))  # warm-up
+                    times, counts, ptoks = [], [], 0
+                    for indices in tqdm(rounds_for(len(prompt_ids), c, min_rounds),
+                                        desc=f"llama-server {variant} c={c}", unit="round", disable=not progress,
+                                        file=sys.stderr):
+                        t0 = time.perf_counter()
+                        replies = list(pool.map(lambda i: _ask(server, prompt_ids[i], max_new_tokens), indices))
+                        times.append(time.perf_counter() - t0)
+                        counts.append([r["tokens"] for r in replies])
+                        timed += replies
+                        ptoks += sum(len(prompt_ids[i]) for i in indices)
             except ServerError as exc:
                 records.append(_skipped(variant, c, str(exc), system))
                 continue
             record = {"system": system, "variant": variant, "dtype": "llama.cpp", "concurrency": c,
                       "status": "ok", "reason": None}
             record.update(summarize(times, counts, ptoks))
-            if drafts[0]:
-                record["extra"] = {"drafted": drafts[0], "accepted": drafts[1],
-                                   "acceptance_rate": round(drafts[1] / drafts[0], 4)}
+            if (extra := _drafts(timed)) is not None:
+                record["extra"] = extra
             records.append(record)
     return records
 
@@ -181,8 +172,8 @@ def serve_llamacpp_closed_loop(gguf: Path, prompt_ids: Sequence[Sequence[int]], 
     record per variant of :data:`SERVER_VARIANTS` (``system`` llama-server) with every request's
     own figures: its tokens/s (tokens ÷ its wall time from send to answer), time to first token
     (its wall time less llama.cpp's generation time: queueing and prefill) and inter-token latency
-    (generation time ÷ the tokens after the first)."""
-    from specforge.peers.llama_server import LlamaServer, ServerError
+    (generation time ÷ the tokens after the first), from :func:`_ask`."""
+    from specforge.peers.llama_server import ServerError
     from specforge.peers.llamacpp_tools import missing_reason
 
     system = "llama-server"
@@ -193,38 +184,54 @@ def serve_llamacpp_closed_loop(gguf: Path, prompt_ids: Sequence[Sequence[int]], 
     records = []
     for variant in variants:
         log = None if log_dir is None else Path(log_dir) / f"llama-server-{variant}-r{slots}.log"
-        each: list[dict[str, float]] = []
         try:
-            with LlamaServer(gguf, slots=slots, context=context, threads=threads or torch.get_num_threads(),
-                             extra=("-fa", "auto", "-kvu", *SERVER_VARIANTS[variant]), log=log) as server:
-
-                def one(i: int, n: int) -> dict[str, float]:
-                    t0 = time.perf_counter()
-                    reply = server.complete(prompt_ids[i], n, temperature=temperature, seed=i)
-                    wall = time.perf_counter() - t0
-                    timings = reply.get("timings", {})
-                    tokens = int(reply["tokens_predicted"])
-                    generating = float(timings.get("predicted_ms", 0.0)) / 1e3
-                    return {"tokens": tokens, "wall": wall, "ttft": max(0.0, wall - generating),
-                            "itl": generating / (tokens - 1) if tokens > 1 else 0.0,
-                            "drafted": int(timings.get("draft_n", 0)),
-                            "accepted": int(timings.get("draft_n_accepted", 0))}
-
-                with ThreadPoolExecutor(slots) as pool:
-                    list(pool.map(lambda i: one(i, 8), range(min(slots, len(prompt_ids)))))  # warm-up, untimed
-                    t0 = time.perf_counter()
-                    each = list(pool.map(lambda i: one(i, max_new_tokens), range(len(prompt_ids))))
-                    seconds = time.perf_counter() - t0
+            with _server(gguf, slots, context, threads, SERVER_VARIANTS[variant], log) as server, \
+                    ThreadPoolExecutor(slots) as pool:
+                list(pool.map(lambda i: _ask(server, prompt_ids[i], 8), range(min(slots, len(prompt_ids)))))  # warm-up
+                t0 = time.perf_counter()
+                each = list(pool.map(lambda i: _ask(server, prompt_ids[i], max_new_tokens, temperature, seed=i),
+                                     range(len(prompt_ids))))
+                seconds = time.perf_counter() - t0
         except ServerError as exc:
             records.append(_skipped(variant, slots, str(exc), system))
             continue
-        drafted, accepted = sum(e["drafted"] for e in each), sum(e["accepted"] for e in each)
+        tokens = sum(e["tokens"] for e in each)
         records.append({"system": system, "variant": variant, "dtype": "llama.cpp", "concurrency": slots,
-                        "status": "ok", "reason": None, "n_requests": len(each),
-                        "new_tokens": sum(e["tokens"] for e in each), "wall_s": seconds,
-                        "tok_s": sum(e["tokens"] for e in each) / seconds,
+                        "status": "ok", "reason": None, "n_requests": len(each), "new_tokens": tokens,
+                        "wall_s": seconds, "tok_s": tokens / seconds,
                         "per_request_tok_s": sum(e["tokens"] / e["wall"] for e in each) / len(each),
                         "ttft_s_each": [e["ttft"] for e in each], "itl_s_each": [e["itl"] for e in each],
-                        "extra": {"drafted": drafted, "accepted": accepted,
-                                  "acceptance_rate": round(accepted / drafted, 4)} if drafted else None})
+                        "extra": _drafts(each)})
     return records
+
+
+def _server(gguf: Path, slots: int, context: int, threads: int | None, flags: Sequence[str], log: Path | None) -> Any:
+    """llama-server with ``slots`` slots of ``context`` positions, flash attention as llama.cpp's
+    default resolves it on a CPU, one unified KV cache, and a variant's ``flags``."""
+    from specforge.peers.llama_server import LlamaServer
+
+    return LlamaServer(gguf, slots=slots, context=context, threads=threads or torch.get_num_threads(),
+                       extra=("-fa", "auto", "-kvu", *flags), log=log)
+
+
+def _ask(server: Any, ids: Sequence[int], n: int, temperature: float = 0.0, seed: int = 0) -> dict[str, float]:
+    """One completion of exactly ``n`` tokens and what it took: its tokens, wall time (send to
+    answer), time to first token (the wall time less llama.cpp's generation time: queueing and
+    prefill), inter-token latency (generation time ÷ the tokens after the first) and the draft
+    tokens llama.cpp drafted and accepted for it."""
+    t0 = time.perf_counter()
+    reply = server.complete(ids, n, temperature=temperature, seed=seed)
+    wall = time.perf_counter() - t0
+    timings = reply.get("timings", {})
+    tokens = int(reply["tokens_predicted"])
+    generating = float(timings.get("predicted_ms", 0.0)) / 1e3
+    return {"tokens": tokens, "wall": wall, "ttft": max(0.0, wall - generating),
+            "itl": generating / (tokens - 1) if tokens > 1 else 0.0,
+            "drafted": int(timings.get("draft_n", 0)), "accepted": int(timings.get("draft_n_accepted", 0))}
+
+
+def _drafts(replies: Sequence[dict[str, float]]) -> dict[str, Any] | None:
+    """The draft tokens drafted and accepted over ``replies`` (:func:`_ask`); None where none were drafted."""
+    drafted, accepted = sum(r["drafted"] for r in replies), sum(r["accepted"] for r in replies)
+    return {"drafted": drafted, "accepted": accepted, "acceptance_rate": round(accepted / drafted, 4)} if drafted \
+        else None
